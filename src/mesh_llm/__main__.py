@@ -1,0 +1,3 @@
+from mesh_llm.cli import main
+
+main()

@@ -1,0 +1,133 @@
+"""The one narrow interface every engine implements, in token ids and arrays, never HTTP types.
+
+An engine owns a loaded model and its tokenizer and turns prompt token ids into a stream of sampled
+token ids. Everything request-shaped (chat templates, stop strings, max_tokens, EOS, detokenizing,
+queueing) lives above it in ``mesh_llm.runtime``, so a new engine is one new file that subclasses
+:class:`Engine` and registers itself in ``mesh_llm.engines``.
+
+Engines are not thread-safe: the runtime creates, uses and closes each one on a single worker thread
+(MLX arrays and streams must stay on the thread that made them).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol, runtime_checkable
+
+
+class EngineError(Exception):
+    """A model cannot be loaded or served by an engine; the message names the file and the problem."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine's optional dependency is not installed; the message names the pip extra to install."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to load a model; every field has a default that suits the machine it runs on."""
+
+    ctx_size: int | None = None  # None: the model's own trained context length
+    quantize: int | None = None  # 4 or 8: quantize on load (MLX on a GPU only)
+    threads: int | None = None  # None: the number of physical cores
+    prefill_step: int = 512  # prompt tokens evaluated per forward pass during prefill
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy; ``logprobs`` is the number of
+    alternatives to report per token (0: only the chosen token's), None for no logprobs."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    min_p: float = 0.0  # 0: disabled
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sampled token. ``cached_tokens`` is set on the first step of a generation: how many
+    prompt tokens were reused from the engine's prompt cache instead of being recomputed."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    engine: str  # "mlx", "llama"
+    device: str  # "cpu" or "gpu"
+    backend: str  # e.g. "cpu+openblas", "cuda", "metal"
+    model_format: str  # "safetensors" or "gguf"
+    context_length: int
+    memory_bytes: int  # weights plus what the engine has allocated so far
+    details: dict[str, str] = field(default_factory=dict)  # dtype, quantization, threads, ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the runtime needs of a tokenizer. Implementations must be safe to call from any thread
+    (the API layer tokenizes while the worker generates)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def bos_token(self) -> str | None: ...
+
+    @property
+    def eos_token(self) -> str | None: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) become their ids.
+        ``add_special_tokens`` adds what the model puts around raw text (a BOS), never a template."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
+        ...
+
+
+class Engine(abc.ABC):
+    """A loaded model. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: ClassVar[str]
+    formats: ClassVar[frozenset[str]]  # model formats it loads: "safetensors", "gguf"
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, path: Path, options: EngineOptions, progress=None) -> Engine:
+        """Load the model at ``path`` (a folder or a .gguf file). ``progress(done, total)`` may be
+        called while loading. Raises :class:`EngineError` with a one-line message on bad input."""
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Tokenizer: ...
+
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[Step]:
+        """Prefill ``prompt`` and yield sampled tokens until the context is full.
+
+        The caller decides when to stop (max_tokens, EOS, stop strings, a client gone) and cancels by
+        closing the iterator, which frees the engine at once for the next generation. Only one
+        generation runs at a time: starting another closes any previous one.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the model's memory."""
