@@ -46,7 +46,8 @@ def download(
         raise ModelNotFound(f"'{repo_id}' is not a Hugging Face repo id (expected org/name): {e}") from e
     except GatedRepoError as e:
         raise DownloadError(
-            f"'{repo_id}' is gated: accept its terms at https://huggingface.co/{repo_id}, then log in with `hf auth login`"
+            f"'{repo_id}' is gated: accept its terms at https://huggingface.co/{repo_id}, "
+            "then log in with `hf auth login`"
         ) from e
     except RepositoryNotFoundError as e:
         raise ModelNotFound(

@@ -106,7 +106,9 @@ def pick_gguf(folder: Path, selector: str | None, where: str, how_to_pick: str, 
     available = ", ".join(candidates) or "no .gguf file"
     if not matches:
         raise ModelNotFound(f"no GGUF matching '{selector}' in {where}; it holds: {available}")
-    raise ModelNotFound(f"'{selector}' matches {len(matches)} GGUF files in {where} ({', '.join(matches)}); {how_to_pick}")
+    raise ModelNotFound(
+        f"'{selector}' matches {len(matches)} GGUF files in {where} ({', '.join(matches)}); {how_to_pick}"
+    )
 
 
 def folder_spec(
@@ -116,8 +118,10 @@ def folder_spec(
     selector: str | None = None,
     how_to_pick: str = "pass the path of one of them",
     recursive: bool = False,
+    where: str | None = None,
 ) -> ModelSpec:
-    """The model a folder holds. A safetensors model wins over GGUF files unless ``selector`` picks a GGUF."""
+    """The model a folder holds. A safetensors model wins over GGUF files unless ``selector`` picks a GGUF.
+    ``where`` names the folder in messages (default: its path)."""
     has_weights = any(folder.glob("*.safetensors"))
     has_config = (folder / "config.json").is_file()
     has_gguf = bool(gguf_candidates(folder, recursive))
@@ -125,7 +129,7 @@ def folder_spec(
         return safetensors_spec(folder, name, source)
     if selector is None and not has_gguf:
         raise BadModel(f"{folder} holds neither config.json with *.safetensors weights nor a .gguf file")
-    return gguf_spec(pick_gguf(folder, selector, f"{source} ({folder})", how_to_pick, recursive), source)
+    return gguf_spec(pick_gguf(folder, selector, where or str(folder), how_to_pick, recursive), source)
 
 def cached_repos() -> list[CachedRepoInfo]:
     """Model repositories in the Hugging Face cache (none when the cache does not exist yet)."""
@@ -139,9 +143,10 @@ def cached_repos() -> list[CachedRepoInfo]:
 def cached_repo(repo_id: str) -> CachedRepoInfo:
     """The cached repo ``repo_id`` (Hub ids are case-insensitive, so a case-only difference is accepted)."""
     repos = cached_repos()
-    for matches in ([r for r in repos if r.repo_id == repo_id], [r for r in repos if r.repo_id.lower() == repo_id.lower()]):
-        if len(matches) == 1:
-            return matches[0]
+    exact = [r for r in repos if r.repo_id == repo_id]
+    matches = exact or [r for r in repos if r.repo_id.lower() == repo_id.lower()]
+    if len(matches) == 1:
+        return matches[0]
     raise ModelNotFound(
         f"no model '{repo_id}' in the Hugging Face cache at {hf_cache_dir()}; run `mesh-llm models download {repo_id}`"
     )
@@ -166,15 +171,15 @@ def cached_revision(repo: CachedRepoInfo, revision: str | None) -> CachedRevisio
         matches = [r for r in repo.revisions if r.commit_hash.startswith(revision.lower())]
         if len(matches) == 1:
             return matches[0]
-    cached = ", ".join(sorted(_describe(r) for r in repo.revisions)) or "none"
+    where = f"in the Hugging Face cache at {hf_cache_dir()} (cached: "
+    where += ", ".join(sorted(_describe(r) for r in repo.revisions)) + ")"
     if revision is None:
         raise ModelNotFound(
-            f"'{repo.repo_id}' has no 'main' snapshot in the Hugging Face cache at {hf_cache_dir()} (cached: {cached}); "
-            f"pick one with `{repo.repo_id}@REVISION`"
+            f"'{repo.repo_id}' has no 'main' snapshot {where}; pick one with `{repo.repo_id}@REVISION`"
         )
     raise ModelNotFound(
-        f"no revision '{revision}' of '{repo.repo_id}' in the Hugging Face cache at {hf_cache_dir()} (cached: {cached}); "
-        f"run `mesh-llm models download {repo.repo_id} --revision {revision}`"
+        f"no revision '{revision}' of '{repo.repo_id}' {where}; "
+        f"run `mesh-llm models download {repo.repo_id}@{revision}`"
     )
 
 

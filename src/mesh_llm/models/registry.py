@@ -51,6 +51,11 @@ class LocalModel:
         return self.spec.engines
 
     @property
+    def engine(self) -> str:
+        """The engines as table text: "llama" or "llama, mlx"."""
+        return ", ".join(self.engines)
+
+    @property
     def path(self) -> Path:
         return self.spec.path
 
@@ -102,8 +107,8 @@ def _hf_cache_models() -> Iterator[LocalModel]:
             continue  # several snapshots and no main: only an explicit @REVISION picks one
         snapshot = Path(revision.snapshot_path)
         source = f"HF cache {repo.repo_id}@{revision.commit_hash[:7]}"
-        bare = _bare_ref_path(snapshot, repo.repo_name, source)
-        for spec in _folder_models(snapshot, repo.repo_name, source, recursive=True):
+        bare = _bare_ref_path(snapshot, repo.repo_id.rsplit("/", 1)[-1], source)
+        for spec in _folder_models(snapshot, repo.repo_id.rsplit("/", 1)[-1], source, recursive=True):
             ref = repo.repo_id if spec.path == bare else f"{repo.repo_id}:{spec.path.relative_to(snapshot).as_posix()}"
             yield LocalModel(ref=ref, spec=spec, size_bytes=disk_size(spec))
 

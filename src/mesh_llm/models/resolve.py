@@ -23,11 +23,11 @@ from pathlib import Path
 
 from mesh_llm.models.default import default_mlx_folder, default_mlx_path, default_spec
 from mesh_llm.models.files import cached_repo, cached_revision, folder_spec, gguf_spec, is_gguf_name
-from mesh_llm.models.registry import list_models
-from mesh_llm.models.spec import BadModel, ModelNotFound, ModelSpec
+from mesh_llm.models.registry import OWN_CACHE_SOURCE, list_models
+from mesh_llm.models.spec import BadModel, ModelNotFound, ModelSpec, models_dir
 
 PATH_SOURCE = "path"
-_REPO_REF = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^:@]+))?(?::(?P<file>.+))?$")
+_REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^:@]+))?(?::(?P<file>.+))?$")
 
 
 def resolve(ref: str | os.PathLike | None = None) -> ModelSpec:
@@ -60,8 +60,9 @@ def model_path(spec: ModelSpec, fmt: str, progress=None) -> Path:
 
 
 def _from_path(path: Path) -> ModelSpec:
+    source = OWN_CACHE_SOURCE if path.resolve().parent == models_dir().resolve() else PATH_SOURCE
     if path.is_dir():
-        return folder_spec(path, path.resolve().name, PATH_SOURCE)
+        return folder_spec(path, path.resolve().name, source)
     if not is_gguf_name(path):
         hint = (
             "; pass the folder that holds it and its config.json"
@@ -69,17 +70,19 @@ def _from_path(path: Path) -> ModelSpec:
             else " (mesh-llm serves .gguf files and safetensors folders)"
         )
         raise BadModel(f"{path} is not a .gguf file{hint}")
-    return gguf_spec(path, PATH_SOURCE)
+    return gguf_spec(path, source)
 
 
 def _from_hf_cache(repo_id: str, revision: str | None, file: str | None) -> ModelSpec:
     repo = cached_repo(repo_id)
     snapshot = cached_revision(repo, revision)
+    source = f"HF cache {repo.repo_id}@{snapshot.commit_hash[:7]}"
     return folder_spec(
         Path(snapshot.snapshot_path),
-        repo.repo_name,
-        f"HF cache {repo.repo_id}@{snapshot.commit_hash[:7]}",
+        repo.repo_id.rsplit("/", 1)[-1],
+        source,
         selector=file,
+        where=source,
         how_to_pick=f"pick one with `{repo.repo_id}:FILE`",
         recursive=True,
     )
