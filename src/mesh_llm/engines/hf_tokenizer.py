@@ -1,0 +1,147 @@
+"""The engine :class:`~mesh_llm.engines.base.Tokenizer` for a Hugging Face tokenizer.
+
+Built on the ``tokenizers`` library directly rather than transformers' ``PreTrainedTokenizerFast``:
+transformers re-sets truncation and padding on the shared Rust object on every call, which raises
+"Already borrowed" when the API thread encodes while the worker decodes. ``tokenizers.Tokenizer``'s
+``encode``/``decode`` only read it, so one instance is safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _RustTokenizer
+
+from mesh_llm.engines.base import EngineError
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` plus what ``tokenizer_config.json`` and the generation config add."""
+
+    def __init__(
+        self,
+        tokenizer: _RustTokenizer,
+        config: dict[str, Any],
+        extra_eos_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+    ):
+        self._tok = tokenizer
+        self._bos = _token_text(config.get("bos_token"))
+        self._eos = _token_text(config.get("eos_token"))
+        self._bos_id = self._tok.token_to_id(self._bos) if self._bos else None
+        # Tokenizers whose tokenizer.json lacks a post-processor rely on this flag for the BOS.
+        self._add_bos = bool(config.get("add_bos_token")) and self._bos_id is not None
+        eos = set(extra_eos_ids)
+        if self._eos and (eos_id := self._tok.token_to_id(self._eos)) is not None:
+            eos.add(eos_id)
+        self._eos_ids = frozenset(eos)
+        self._template = chat_template or _template_from_config(config.get("chat_template"))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> HFTokenizer:
+        """Read a model folder; :class:`EngineError` names the missing or unreadable file."""
+        folder = Path(folder)
+        config = _read_json(folder / "tokenizer_config.json") or {}
+        tokenizer = _rust_tokenizer(folder)
+        eos_ids: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            eos_ids |= _ids(_read_json(folder / name, {}).get("eos_token_id"))
+        template_file = folder / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        return cls(tokenizer, config, eos_ids, template)
+
+    @classmethod
+    def from_json(
+        cls, tokenizer_json: str, config: dict[str, Any], extra_eos_ids: Iterable[int] = ()
+    ) -> HFTokenizer:
+        """From a ``tokenizer.json`` string (a GGUF's vocabulary converted) and its config dict."""
+        return cls(_RustTokenizer.from_str(tokenizer_json), config, extra_eos_ids)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos and ids[:1] != [self._bos_id]:
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Special tokens are kept: the runtime stops on EOS ids before decoding them, and any
+        # other special token the model emits (<think>, tool-call markers) is part of its answer.
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _rust_tokenizer(folder: Path) -> _RustTokenizer:
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        try:
+            return _RustTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise EngineError(f"{path}: unreadable tokenizer ({first_line(e)})") from e
+    if any((folder / n).is_file() for n in ("tokenizer.model", "vocab.json")):
+        # A slow-only tokenizer (sentencepiece model, GPT-2 vocab+merges): transformers converts it.
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(folder), use_fast=True).backend_tokenizer
+        except Exception as e:
+            raise EngineError(f"{folder}: cannot convert its tokenizer ({first_line(e)})") from e
+    raise EngineError(f"{path}: missing (the model folder has no tokenizer files)")
+
+
+def _read_json(path: Path, default: Any = None) -> Any:
+    if not path.is_file():
+        return default
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise EngineError(f"{path}: unreadable JSON ({first_line(e)})") from e
+
+
+def _token_text(token: Any) -> str | None:
+    """tokenizer_config writes special tokens as strings or as serialized AddedToken dicts."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) and token else None
+
+
+def _template_from_config(template: Any) -> str | None:
+    """A string, or a list of named templates of which the "default" one is the chat template."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to one line, for one-line EngineErrors."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

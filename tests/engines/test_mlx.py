@@ -1,0 +1,288 @@
+"""The MLX engine against a float64 numpy forward pass, through the public Engine interface only.
+
+Tiny random-weight llama / qwen2 / qwen3 checkpoints (``conftest.py``) cover what differs between
+them: RoPE theta, GQA, q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), tied and untied heads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from mesh_llm.engines import engine_class, is_installed
+from mesh_llm.engines.base import Engine, EngineError, EngineOptions, SamplingParams, Tokenizer
+
+if not is_installed("mlx"):  # checked without importing mlx.core, which must come after the BLAS fix
+    pytest.skip("the mlx extra is not installed", allow_module_level=True)
+
+MLXEngine = engine_class("mlx")
+MODELS = ["llama", "qwen2", "qwen3"]
+TEXT = "The capital of France is Paris, and the quick brown fox"
+GREEDY = SamplingParams(temperature=0)
+
+
+def reference_logits(ckpt, ids: list[int]) -> np.ndarray:
+    """Float64 forward pass of the whole sequence: logits of shape (len(ids), vocab)."""
+    c, w = ckpt.config, ckpt.weights
+    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    eps, n = c["rms_norm_eps"], len(ids)
+
+    def rms(x, weight):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+    inv_freq = 1.0 / c["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+    angles = np.arange(n)[:, None] * inv_freq[None, :]  # (n, hd/2)
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    def rope(x):  # (heads, n, hd), the rotate-half layout of HF and mlx-lm (non-traditional)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    mask = np.triu(np.full((n, n), -np.inf), k=1)
+    x = w["model.embed_tokens.weight"][ids]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        proj = {}
+        for name in "qkv":
+            y = h @ w[p + f"self_attn.{name}_proj.weight"].T
+            if p + f"self_attn.{name}_proj.bias" in w:
+                y = y + w[p + f"self_attn.{name}_proj.bias"]
+            proj[name] = y.reshape(n, -1, hd).transpose(1, 0, 2)
+        q, k, v = proj["q"], proj["k"], proj["v"]
+        if p + "self_attn.q_norm.weight" in w:
+            q = rms(q, w[p + "self_attn.q_norm.weight"])
+            k = rms(k, w[p + "self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, heads // kv_heads, axis=0), np.repeat(v, heads // kv_heads, axis=0)
+        scores = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + mask
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        attn = (scores / scores.sum(-1, keepdims=True)) @ v
+        x = x + attn.transpose(1, 0, 2).reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    x = rms(x, w["model.norm.weight"])
+    return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def take(gen, n: int) -> list:
+    steps = []
+    for step in gen:
+        steps.append(step)
+        if len(steps) == n:
+            break
+    gen.close()
+    return steps
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    # A prefill step of 4 splits the ~12-token prompt into chunks through the KV cache.
+    loaded = {name: MLXEngine.load(c.path, EngineOptions(prefill_step=4))
+              for name, c in checkpoints.items()}
+    yield loaded
+    for engine in loaded.values():
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(engines) -> list[int]:
+    ids = engines["llama"].tokenizer.encode(TEXT, add_special_tokens=True)
+    assert len(ids) > 8
+    return ids
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_greedy_tokens_match_the_float64_reference(name, engines, checkpoints, prompt):
+    engine, ckpt = engines[name], checkpoints[name]
+    vocab = ckpt.config["vocab_size"]
+    steps = take(engine.generate(prompt, SamplingParams(temperature=0, logprobs=vocab)), 5)
+    ids = list(prompt)
+    for step in steps:
+        ref = reference_logits(ckpt, ids)[-1]
+        got = np.zeros(vocab)
+        for token, logprob in step.top_logprobs:
+            got[token] = logprob
+        assert len(step.top_logprobs) == vocab
+        # Logprobs are logits less a constant: compare both centred.
+        ref_c, got_c = ref - ref.mean(), got - got.mean()
+        assert np.abs(got_c - ref_c).max() / np.abs(ref_c).max() <= 1e-4
+        assert step.token == int(np.argmax(ref))
+        assert step.logprob == pytest.approx(log_softmax(ref)[step.token], abs=1e-4)
+        ids.append(step.token)
+    assert steps[0].cached_tokens == 0
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(engines, prompt):
+    engine = engines["qwen2"]
+
+    def run(seed):
+        return [s.token for s in take(engine.generate(prompt, SamplingParams(seed=seed)), 12)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}])
+def test_filters_that_keep_one_token_sample_the_greedy_tokens(filters, engines, prompt):
+    engine = engines["qwen3"]
+    greedy = [s.token for s in take(engine.generate(prompt, GREEDY), 6)]
+    params = SamplingParams(temperature=1.5, seed=3, **filters)
+    assert [s.token for s in take(engine.generate(prompt, params), 6)] == greedy
+
+
+def test_closing_mid_generation_then_starting_again(engines, prompt):
+    engine = engines["llama"]
+    baseline = [s.token for s in take(engine.generate(prompt, GREEDY), 6)]
+    first = engine.generate(prompt, GREEDY)
+    assert [next(first).token, next(first).token] == baseline[:2]
+    first.close()
+    assert [s.token for s in take(engine.generate(prompt, GREEDY), 6)] == baseline
+    # Starting a generation closes the one still open.
+    stale = engine.generate(prompt, GREEDY)
+    next(stale)
+    fresh = engine.generate(prompt, GREEDY)
+    with pytest.raises(StopIteration):
+        next(stale)
+    assert [s.token for s in take(fresh, 6)] == baseline
+
+
+def test_logprobs_are_consistent(engines, checkpoints, prompt):
+    engine = engines["qwen2"]
+    steps = take(engine.generate(prompt, SamplingParams(temperature=0.8, seed=1, logprobs=5)), 4)
+    for step in steps:
+        values = [lp for _, lp in step.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert np.exp(values).sum() <= 1 + 1e-5
+        assert step.logprob <= values[0] + 1e-6
+    ref = log_softmax(reference_logits(checkpoints["qwen2"], prompt)[-1])
+    assert steps[0].logprob == pytest.approx(ref[steps[0].token], abs=1e-4)
+    no_alternatives = take(engine.generate(prompt, SamplingParams(temperature=0, logprobs=0)), 1)[0]
+    assert no_alternatives.top_logprobs == () and no_alternatives.logprob is not None
+    assert take(engine.generate(prompt, GREEDY), 1)[0].logprob is None
+
+
+def test_generation_stops_when_the_context_is_full(checkpoints, prompt):
+    engine = MLXEngine.load(checkpoints["llama"].path, EngineOptions(ctx_size=len(prompt) + 3))
+    try:
+        assert len(list(engine.generate(prompt, GREEDY))) == 3
+        assert engine.info().context_length == len(prompt) + 3
+        with pytest.raises(ValueError):
+            engine.generate(prompt + [1, 2, 3], GREEDY)
+    finally:
+        engine.close()
+
+
+def test_bad_requests_raise_value_error(engines, prompt):
+    engine = engines["llama"]
+    for bad in ([], [engine.tokenizer.vocab_size + 10], [-1]):
+        with pytest.raises(ValueError):
+            engine.generate(bad, GREEDY)
+    with pytest.raises(ValueError):
+        engine.generate(prompt, SamplingParams(temperature=-1))
+
+
+def test_info(engines):
+    info = engines["qwen3"].info()
+    assert (info.engine, info.device, info.model_format) == ("mlx", "cpu", "safetensors")
+    assert info.backend.startswith("cpu+")
+    assert info.context_length == 256
+    assert info.memory_bytes > 0
+    assert info.details["dtype"] == "float32"
+    assert info.details["source_dtype"] == "float16"
+    assert info.details["quantization"] == "none"
+    assert info.details["blas"]
+    assert isinstance(engines["qwen3"], Engine)
+
+
+def test_tokenizer(engines, tokenizer_obj):
+    tok = engines["llama"].tokenizer
+    assert isinstance(tok, Tokenizer)
+    im_end, eot = tokenizer_obj.token_to_id("<|im_end|>"), tokenizer_obj.token_to_id("<|endoftext|>")
+    assert tok.eos_token_ids == {im_end, eot}
+    assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", None)
+    assert "<|im_start|>" in tok.chat_template
+    assert tok.vocab_size == tokenizer_obj.get_vocab_size()
+    ids = tok.encode("<|im_start|>user\nHello 🙂<|im_end|>", add_special_tokens=False)
+    assert ids[0] == tokenizer_obj.token_to_id("<|im_start|>") and ids[-1] == im_end
+    assert tok.decode(ids) == "<|im_start|>user\nHello 🙂<|im_end|>"
+    partial = tok.encode("🙂", add_special_tokens=False)
+    lead_byte = tokenizer_obj.token_to_id("ð")  # byte 0xF0 in the byte-level alphabet
+    assert tok.decode([lead_byte]) == "\ufffd"
+    assert tok.decode(partial) == "🙂"
+
+
+def test_tokenizer_is_thread_safe(engines):
+    tok = engines["llama"].tokenizer
+    texts = [f"{TEXT} {i} 🙂" for i in range(50)]
+    expected = [tok.encode(t, add_special_tokens=True) for t in texts]
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(5):
+                for text, ids in zip(texts, expected):
+                    assert tok.encode(text, add_special_tokens=True) == ids
+                    assert tok.decode(ids) == text
+        except Exception as e:  # surfaced in the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_inputs_name_the_file(checkpoints, tmp_path):
+    src = checkpoints["llama"].path
+
+    def error(path) -> str:
+        with pytest.raises(EngineError) as e:
+            MLXEngine.load(path, EngineOptions())
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "no-such-model" in error(tmp_path / "no-such-model")
+
+    no_config = _copy(src, tmp_path / "no-config")
+    (no_config / "config.json").unlink()
+    assert "config.json" in error(no_config)
+
+    truncated = _copy(src, tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "model.safetensors" in error(truncated)
+
+    unsupported = _copy(src, tmp_path / "unsupported")
+    config = (unsupported / "config.json").read_text().replace('"llama"', '"no_such_arch"')
+    (unsupported / "config.json").write_text(config)
+    message = error(unsupported)
+    assert "config.json" in message and "no_such_arch" in message and "not supported" in message
+
+    no_tokenizer = _copy(src, tmp_path / "no-tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    assert "tokenizer.json" in error(no_tokenizer)
+
+    no_weights = _copy(src, tmp_path / "no-weights")
+    (no_weights / "model.safetensors").unlink()
+    assert "safetensors" in error(no_weights)
+
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("hello")
+    assert "notes.txt" in error(not_a_model)
