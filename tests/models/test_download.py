@@ -36,6 +36,7 @@ def test_offline_download_returns_the_cached_snapshot(cached):
     path = download("org/Tiny", progress=False)
     assert path == main
     assert resolve("org/Tiny").path == path
+    assert resolve(str(path)).name == "Tiny"  # the snapshot folder by path: named after the repo, not the commit
 
 
 def test_offline_download_of_a_revision(cached):

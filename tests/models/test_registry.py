@@ -39,7 +39,8 @@ def test_hf_cache_models(hf_repo, blobs):
     assert (tiny.name, tiny.format, tiny.engines) == ("Tiny", "safetensors", ("mlx",))
     assert tiny.size_bytes == len(blobs.config) + len(blobs.safetensors) + len(b"#")
     split = models["org/Q-GGUF:sub/q-Q8_0-00001-of-00002.gguf"]
-    assert (split.name, split.format, split.engine, split.source) == ("q-Q8_0", "gguf", "llama", "HF cache org/Q-GGUF@aaaaaaa")
+    assert (split.name, split.format, split.engine) == ("q-Q8_0", "gguf", "llama")
+    assert split.source == "HF cache org/Q-GGUF@aaaaaaa"
     assert split.size_bytes == 2 * len(blobs.gguf)
     assert models["org/mixed"].size_bytes == len(blobs.config) + len(blobs.safetensors)  # its GGUF is listed apart
     assert models["org/mixed:m.gguf"].size_bytes == len(blobs.gguf)
@@ -63,8 +64,8 @@ def test_only_servable_models_are_listed(hf_repo, files, blobs):
     hf_repo("org/bin-only", {"config.json": blobs.config, "pytorch_model.bin": b"x"})
     hf_repo("org/broken-split", {"b-00001-of-00002.gguf": blobs.gguf})
     hf_repo("org/lfs-pointer", {"p.gguf": b"version https://git-lfs.github.com/spec/v1\n"})
-    hf_repo("org/two-pins", {"config.json": blobs.config, "model.safetensors": blobs.safetensors}, commit=SHA_A, refs=())
-    hf_repo("org/two-pins", {"config.json": blobs.config, "model.safetensors": b"other"}, commit=SHA_B, refs=())
+    for sha, weights in ((SHA_A, blobs.safetensors), (SHA_B, b"other")):
+        hf_repo("org/two-pins", {"config.json": blobs.config, "model.safetensors": weights}, commit=sha, refs=())
     files("mesh-home/models", {".SmolLM2-135M-Instruct-mlx.123.abcd.tmp/config.json": blobs.config,
                                ".SmolLM2-135M-Instruct-mlx.lock": b"", "notes.txt": b"hi",
                                "empty-folder/README.md": b"#"})

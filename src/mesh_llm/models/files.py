@@ -39,7 +39,7 @@ def gguf_shards(path: Path) -> list[Path]:
     return [path.with_name(f"{split['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
-def gguf_spec(path: Path, source: str, name: str | None = None) -> ModelSpec:
+def gguf_spec(path: Path, source: str) -> ModelSpec:
     """A GGUF file as a model; a split GGUF must be named by its first shard and have every shard."""
     if not path.is_file():
         raise ModelNotFound(f"no GGUF file at {path}")
@@ -57,7 +57,7 @@ def gguf_spec(path: Path, source: str, name: str | None = None) -> ModelSpec:
     if magic != GGUF_MAGIC:
         hint = " (a Git LFS pointer? fetch the real file)" if magic == b"vers" else ""
         raise BadModel(f"{path} does not start with the GGUF magic bytes{hint}")
-    return ModelSpec(name=name or gguf_model_name(path), path=path, format="gguf", source=source)
+    return ModelSpec(name=gguf_model_name(path), path=path, format="gguf", source=source)
 
 
 def safetensors_spec(folder: Path, name: str, source: str) -> ModelSpec:
@@ -93,8 +93,6 @@ def pick_gguf(folder: Path, selector: str | None, where: str, how_to_pick: str, 
     if selector is None:
         if len(candidates) == 1:
             return folder / candidates[0]
-        if not candidates:
-            raise BadModel(f"{where} holds no .gguf file")
         raise BadModel(f"{where} holds {len(candidates)} GGUF models ({', '.join(candidates)}); {how_to_pick}")
     exact = [c for c in candidates if selector in (c, c.rsplit("/", 1)[-1])]
     if not exact and is_gguf_name(selector) and (folder / selector).is_file():
@@ -130,6 +128,7 @@ def folder_spec(
     if selector is None and not has_gguf:
         raise BadModel(f"{folder} holds neither config.json with *.safetensors weights nor a .gguf file")
     return gguf_spec(pick_gguf(folder, selector, where or str(folder), how_to_pick, recursive), source)
+
 
 def cached_repos() -> list[CachedRepoInfo]:
     """Model repositories in the Hugging Face cache (none when the cache does not exist yet)."""

@@ -62,7 +62,7 @@ def model_path(spec: ModelSpec, fmt: str, progress=None) -> Path:
 def _from_path(path: Path) -> ModelSpec:
     source = OWN_CACHE_SOURCE if path.resolve().parent == models_dir().resolve() else PATH_SOURCE
     if path.is_dir():
-        return folder_spec(path, path.resolve().name, source)
+        return folder_spec(path, _folder_name(path), source)
     if not is_gguf_name(path):
         hint = (
             "; pass the folder that holds it and its config.json"
@@ -71,6 +71,15 @@ def _from_path(path: Path) -> ModelSpec:
         )
         raise BadModel(f"{path} is not a .gguf file{hint}")
     return gguf_spec(path, source)
+
+
+def _folder_name(folder: Path) -> str:
+    """The folder's name, or the repo's name for a Hugging Face snapshot folder (what `download` returns),
+    whose own name is a commit hash."""
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.rsplit("--", 1)[-1]
+    return folder.name
 
 
 def _from_hf_cache(repo_id: str, revision: str | None, file: str | None) -> ModelSpec:
@@ -89,7 +98,7 @@ def _from_hf_cache(repo_id: str, revision: str | None, file: str | None) -> Mode
 
 
 def _looks_like_path(ref: str) -> bool:
-    return ref.startswith((".", "/", "~")) or "/" in ref or "\\" in ref or is_gguf_name(ref)
+    return ref.startswith((".", "~")) or "/" in ref or "\\" in ref or is_gguf_name(ref)
 
 
 def _from_listing(name: str) -> ModelSpec:
