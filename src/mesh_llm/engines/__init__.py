@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Collection
 
 from mesh_llm.engines.base import Engine, EngineUnavailable
 
@@ -39,8 +40,8 @@ def engine_class(name: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-def choose_engine(forms: dict[str, object], requested: str = "auto") -> tuple[str, str, str]:
-    """Pick (engine, format, why) for a model available in ``forms`` ({"gguf": path, ...}).
+def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str, str, str]:
+    """Pick (engine, format, why) for a model available in ``forms`` ("gguf", "safetensors").
 
     A model in both forms goes to the engine measured faster: llama.cpp, on this CPU (its quantized
     kernels; MLX has none on a CPU) and on the H200 for one stream (../shared/NOTES.md: decode 775

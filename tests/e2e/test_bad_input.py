@@ -1,0 +1,93 @@
+"""Malformed requests each get an OpenAI error body with the right status; the server stays healthy."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+MSG = [{"role": "user", "content": "Hi"}]
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+
+# (name, method, path, body: dict | bytes | None, status, error type, param or None)
+CASES = [
+    ("malformed json", "POST", CHAT, b'{"model": "x", "messages": [', 400, "invalid_request_error", None),
+    ("body is a list", "POST", CHAT, b"[1, 2]", 400, "invalid_request_error", None),
+    ("body is not utf-8", "POST", CHAT, b"\xff\xfe\x00", 400, "invalid_request_error", None),
+    ("missing model", "POST", CHAT, {"messages": MSG}, 400, "invalid_request_error", "model"),
+    ("missing messages", "POST", CHAT, {"model": MODEL}, 400, "invalid_request_error", "messages"),
+    ("empty messages", "POST", CHAT, {"model": MODEL, "messages": []}, 400, "invalid_request_error",
+     "messages"),
+    ("messages not a list", "POST", CHAT, {"model": MODEL, "messages": "Hi"}, 400,
+     "invalid_request_error", "messages"),
+    ("message without role", "POST", CHAT, {"model": MODEL, "messages": [{"content": "Hi"}]}, 400,
+     "invalid_request_error", "messages.0.role"),
+    ("unknown role", "POST", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]},
+     400, "invalid_request_error", "messages.0.role"),
+    ("content is a number", "POST", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+     400, "invalid_request_error", None),
+    ("image part", "POST", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "invalid_request_error", None),
+    ("negative temperature", "POST", CHAT, {"model": MODEL, "messages": MSG, "temperature": -0.5}, 400,
+     "invalid_request_error", "temperature"),
+    ("temperature is text", "POST", CHAT, {"model": MODEL, "messages": MSG, "temperature": "hot"}, 400,
+     "invalid_request_error", "temperature"),
+    ("zero max_tokens", "POST", CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 0}, 400,
+     "invalid_request_error", "max_tokens"),
+    ("negative max_tokens", "POST", CHAT, {"model": MODEL, "messages": MSG, "max_tokens": -3}, 400,
+     "invalid_request_error", "max_tokens"),
+    ("top_p zero", "POST", CHAT, {"model": MODEL, "messages": MSG, "top_p": 0}, 400,
+     "invalid_request_error", "top_p"),
+    ("five stop strings", "POST", CHAT, {"model": MODEL, "messages": MSG, "stop": list("abcde")}, 400,
+     "invalid_request_error", "stop"),
+    ("n of two", "POST", CHAT, {"model": MODEL, "messages": MSG, "n": 2}, 400, "invalid_request_error", "n"),
+    ("top_logprobs without logprobs", "POST", CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2},
+     400, "invalid_request_error", "top_logprobs"),
+    ("too many top_logprobs", "POST", CHAT, {"model": MODEL, "messages": MSG, "logprobs": True,
+                                             "top_logprobs": 50}, 400, "invalid_request_error", "top_logprobs"),
+    ("unknown model", "POST", CHAT, {"model": "gpt-9", "messages": MSG}, 404, "not_found_error", "model"),
+    ("over the context", "POST", CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 9000}, 400,
+     "invalid_request_error", "messages"),
+    ("prompt over the context", "POST", TEXT, {"model": MODEL, "prompt": "word " * 9000, "max_tokens": 1},
+     400, "invalid_request_error", "prompt"),
+    ("completion without prompt", "POST", TEXT, {"model": MODEL}, 400, "invalid_request_error", "prompt"),
+    ("token id out of range", "POST", TEXT, {"model": MODEL, "prompt": [1, 2, 10**9]}, 400,
+     "invalid_request_error", "prompt"),
+    ("two prompts", "POST", TEXT, {"model": MODEL, "prompt": ["a", "b"]}, 400, "invalid_request_error",
+     "prompt"),
+    ("echo", "POST", TEXT, {"model": MODEL, "prompt": "a", "echo": True}, 400, "invalid_request_error",
+     "echo"),
+    ("body too large", "POST", CHAT, {"model": MODEL, "messages": [{"role": "user", "content":
+                                      "x" * (9 * 1024 * 1024)}]}, 413, "invalid_request_error", None),
+    ("unknown route", "POST", "/v1/engines", {}, 404, "not_found_error", None),
+    ("wrong method", "GET", CHAT, None, 405, "invalid_request_error", None),
+]
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory("--engine", "llama")
+
+
+@pytest.mark.parametrize("name,method,path,body,status,etype,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(server, name, method, path, body, status, etype, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else ({"json": body} if body is not None else {})
+    response = httpx.request(method, server.url + path, timeout=60, **kw)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == etype and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_still_healthy_after_bad_input(server):
+    for _, method, path, body, *_ in CASES:  # all of them again, back to back
+        kw = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+        httpx.request(method, server.url + path, timeout=60, **kw)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    ok = httpx.post(server.url + CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+    assert "Traceback" not in server.output()

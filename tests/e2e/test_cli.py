@@ -1,0 +1,75 @@
+"""Startup errors are one clear line and exit code 2; `mesh-llm models` works offline."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from support import free_port
+
+
+def mesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mesh_llm", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return errors[0]
+
+
+def test_missing_model_path(tmp_path):
+    result = mesh("serve", "--model", str(tmp_path / "nope.gguf"), "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "nope.gguf" in one_error_line(result)
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    result = mesh("serve", "--model", str(tmp_path), "--port", str(free_port()))
+    assert result.returncode == 2
+    assert str(tmp_path) in one_error_line(result)
+
+
+def test_corrupt_gguf_is_reported_at_load(tmp_path, default_gguf):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(default_gguf.read_bytes()[:1_000_000])  # truncated
+    result = mesh("serve", "--model", str(bad), "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "broken.gguf" in one_error_line(result)
+
+
+def test_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = mesh("serve", "--engine", "llama", "--port", str(port))
+    assert result.returncode == 2
+    assert str(port) in one_error_line(result)
+
+
+def test_llama_engine_on_safetensors_says_how_to_convert(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    result = mesh("serve", "--model", str(tmp_path), "--engine", "llama", "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "convert" in one_error_line(result)
+
+
+@pytest.mark.parametrize("flag", [["--engine", "tensorrt"], ["--quantize", "3"]])
+def test_bad_flag_values(flag):
+    result = mesh("serve", *flag, "--port", str(free_port()))
+    assert result.returncode == 2
+
+
+def test_models_list_shows_the_default():
+    result = mesh("models", "list")
+    assert result.returncode == 0, result.stderr
+    assert "SmolLM2-135M-Instruct" in result.stdout and "gguf" in result.stdout
