@@ -54,11 +54,7 @@ def default_mlx_folder(progress=None) -> Path:
     with FileLock(target.parent / f".{target.name}.lock"):
         if target.is_dir():
             return target
-        # Imported lazily: the converter is only needed once, and only for MLX. It imports mlx.core,
-        # so OpenBLAS must be interposed first or the MLX engine loaded later in this process is slow.
-        from mesh_llm.engines.mlx_blas import ensure_fast_blas
-
-        ensure_fast_blas()
+        # Imported lazily: the converter (and mlx.core with it) is only needed once, and only for MLX.
         from mesh_llm.models.gguf_convert import import_gguf
 
         temp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
