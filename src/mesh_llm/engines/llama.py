@@ -178,16 +178,19 @@ def _physical_cores() -> int:
         import subprocess
 
         for key in ("hw.perflevel0.physicalcpu", "hw.physicalcpu"):
-            out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True).stdout
+            out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, check=False).stdout
             if out.strip().isdigit():
                 return int(out)
     return os.cpu_count() or 1
 
 
-def _has_amx() -> bool:
-    """Whether the CPU has AMX tiles. ggml's AMX matmul (llama-cpp-python 0.3.36) dies with SIGSEGV on
-    ``ldtilecfg`` on our Sapphire Rapids KVM guests; AMX is one of llama.cpp's "extra" CPU buffer
-    types, so on such CPUs the engine loads without them (also losing weight repacking)."""
+def _amx_in_use() -> bool:
+    """Whether ggml would run matmuls on AMX tiles: built with AMX (``-march=native`` on a Xeon turns it
+    on) and the CPU has them. Its AMX kernel (llama-cpp-python 0.3.36) dies with SIGSEGV on ``ldtilecfg``
+    on our Sapphire Rapids machines; AMX is one of llama.cpp's "extra" CPU buffer types, so there the
+    engine loads without them (also losing weight repacking). Builds without AMX keep them."""
+    if "AMX_INT8 = 1" not in ll.llama_print_system_info().decode(errors="replace"):
+        return False
     try:
         return " amx_tile" in Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -336,7 +339,7 @@ class LlamaEngine(Engine):
         meta = _check_gguf(path)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = -1 if ll.llama_supports_gpu_offload() else 0  # -1: every layer
-        params.use_extra_bufts = not _has_amx()
+        params.use_extra_bufts = not _amx_in_use()
         if progress is not None:
             total = path.stat().st_size
 
@@ -376,6 +379,7 @@ class LlamaEngine(Engine):
         return self._tokenizer
 
     def info(self) -> EngineInfo:
+        self._check_open()
         quant = ll.llama_ftype_name(ll.llama_model_ftype(self._model)) or b"unknown"
         return EngineInfo(
             engine=self.name,
@@ -397,11 +401,13 @@ class LlamaEngine(Engine):
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[Step]:
         """Checks the prompt now (so errors raise at the call) and closes any running generation."""
         self._stop_active()
+        self._check_open()
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise EngineError("empty prompt: give at least one token")
         if len(prompt) >= self._n_ctx:
-            raise EngineError(f"prompt of {len(prompt)} tokens leaves no room in the {self._n_ctx}-token context")
+            n, room = len(prompt), self._n_ctx
+            raise EngineError(f"prompt of {n} tokens leaves no room in a {room}-token context")
         if min(prompt) < 0 or max(prompt) >= self._n_vocab:
             raise EngineError(f"prompt has a token id outside the vocabulary of {self._n_vocab}")
         steps = self._generate(prompt, params)
@@ -475,6 +481,10 @@ class LlamaEngine(Engine):
         if steps is not None:
             steps.close()
         self._active = None
+
+    def _check_open(self) -> None:
+        if not self._close.alive:
+            raise EngineError(f"{self._path}: the llama engine is closed")
 
     def close(self) -> None:
         self._stop_active()
