@@ -106,9 +106,10 @@ def models_list() -> None:
     """Models found in the Hugging Face cache, mesh-llm's cache, and the embedded default."""
     from mesh_llm.models import list_models
 
-    table = Table("name", "format", "size", "engine", "path")
+    table = Table("name", "ref (for --model)", "format", "size", "engine", "path")
     for m in list_models():
-        table.add_row(m.name, m.format, f"{m.size_bytes / 1e6:,.0f} MB", m.engine, str(m.path))
+        table.add_row(m.name, m.ref, ", ".join(m.formats), f"{m.size_bytes / 1e6:,.0f} MB", m.engine,
+                      str(m.path))
     Console().print(table)
 
 
