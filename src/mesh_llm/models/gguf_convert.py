@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
+from mesh_llm.engines.mlx_blas import ensure_fast_blas
 from mesh_llm.models.gguf_tokenizer import build_tokenizer, eos_token_ids
+
+ensure_fast_blas()  # before mlx.core's first import, or MLX in this process keeps the slow reference BLAS
+import mlx.core as mx  # noqa: E402
 
 Progress = Callable[[int, int], None]
 
