@@ -26,7 +26,7 @@ from mesh_llm.engines.mlx_blas import ensure_fast_blas
 from mesh_llm.models.gguf_tokenizer import build_tokenizer, eos_token_ids
 
 ensure_fast_blas()  # before mlx.core's first import, or MLX in this process keeps the slow reference BLAS
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
 Progress = Callable[[int, int], None]
 
@@ -95,27 +95,25 @@ def read_gguf(path: Path, dtype: str | None = None, progress: Progress | None = 
     quantized: dict[str, tuple[int, int]] = {}  # module -> (group_size, bits)
     floats: list[str] = []  # 2-D float weights mlx-lm could otherwise take for quantized
     for done, (gguf_name, hf_name) in enumerate(names.items(), 1):
-        tensor = tensors[gguf_name]
+        tensor, module = tensors[gguf_name], hf_name.rsplit(".", 1)[0]
         arrays = _arrays(loaded, tensor)
-        if arch in _PERMUTED_QK and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
-            heads = config["num_attention_heads" if ".q_proj" in hf_name else "num_key_value_heads"]
+        if arch in _PERMUTED_QK and module.endswith(("q_proj", "k_proj")):
+            heads = config["num_attention_heads" if module.endswith("q_proj") else "num_key_value_heads"]
             arrays = [_unpermute(a, heads) for a in arrays]
-        module = hf_name.rsplit(".", 1)[0]
-        if tensor.tensor_type in _QUANTIZED:
-            w, scales, biases = arrays
-            in_dims = int(tensor.shape[0])
-            group_size, bits = in_dims // scales.shape[-1], w.shape[-1] * 32 // in_dims
-            if dtype is None:
-                weights.update({hf_name: w, f"{module}.scales": scales, f"{module}.biases": biases})
-                quantized[module] = (group_size, bits)
-                continue
-            f32 = mx.float32
-            arrays = [mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits)]
-        elif len(tensor.shape) == 2:
-            floats.append(module)
-        (value,) = arrays
-        weights[hf_name] = value.astype(_DTYPES[dtype]) if dtype else value
-        mx.eval(weights[hf_name])
+        if tensor.tensor_type in _QUANTIZED and dtype is None:
+            quantized[module] = _group_size_and_bits(tensor, arrays)
+            converted = dict(zip((hf_name, f"{module}.scales", f"{module}.biases"), arrays))
+        else:
+            if tensor.tensor_type in _QUANTIZED:
+                w, scales, biases = arrays
+                group_size, bits = _group_size_and_bits(tensor, arrays)
+                f32 = mx.float32
+                arrays = [mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits)]
+            elif len(tensor.shape) == 2:
+                floats.append(module)
+            converted = {hf_name: arrays[0].astype(_DTYPES[dtype]) if dtype else arrays[0]}
+        mx.eval(converted)  # one tensor at a time, so its source can be freed before the next
+        weights.update(converted)
         if progress:
             progress(done, len(names))
     if quantized:
@@ -210,7 +208,7 @@ def _config(arch: str, meta: dict[str, Any], tensors: dict) -> dict[str, Any]:
         if value is KeyError:
             raise KeyError(f"missing metadata key {arch}.{key}")
         if isinstance(value, list):
-            raise ValueError(f"per-layer {arch}.{key} is not supported; use the llama engine")
+            raise TypeError(f"per-layer {arch}.{key} is not supported; use the llama engine")
         return value
 
     if get("expert_count", 0):
@@ -287,6 +285,13 @@ def _arrays(loaded: dict[str, mx.array], tensor) -> list[mx.array]:
         bits = np.ascontiguousarray(tensor.data).view(np.uint16)
         return [mx.array(bits).view(mx.bfloat16).reshape(loaded.pop(name).shape)]
     return [loaded.pop(name)]
+
+
+def _group_size_and_bits(tensor, arrays: list[mx.array]) -> tuple[int, int]:
+    """MLX's quantization parameters of a Q4_0/Q4_1/Q8_0 tensor, from the packed shapes."""
+    weight, scales, _ = arrays
+    in_dims = int(tensor.shape[0])  # GGML lists dimensions innermost first
+    return in_dims // scales.shape[-1], weight.shape[-1] * 32 // in_dims
 
 
 def _unpermute(rows: mx.array, heads: int) -> mx.array:

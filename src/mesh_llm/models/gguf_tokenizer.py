@@ -194,4 +194,3 @@ def build_tokenizer(meta: Mapping[str, Any], context_length: int | None = None) 
         "chat_template": meta.get("tokenizer.chat_template"),
     }
     return tokenizer.to_str(), {k: v for k, v in config.items() if v is not None}
-
