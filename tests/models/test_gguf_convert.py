@@ -276,6 +276,14 @@ def test_mixed_types_get_per_layer_quantization(tmp_path):
     assert np.abs(logits(model, [5, 6, 7]) - ref).max() < 0.05 * np.abs(ref).max()
 
 
+def test_bfloat16_import(tmp_path, small_gguf):
+    out = import_gguf(small_gguf, tmp_path / "bf16", dtype="bfloat16")
+    assert {v.dtype for v in mx.load(str(out / "model.safetensors")).values()} == {mx.bfloat16}
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    model, _ = mlx_lm.load(str(out))
+    assert np.isfinite(logits(model, [5, 6, 7])).all()
+
+
 def test_bf16_keeps_its_range(tmp_path):
     """mx.load narrows BF16 to float16 (max 65504); the import must not."""
     weights = hf_weights("llama", VOCAB, tied=True)

@@ -85,10 +85,13 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[st
     return [(left, right) for *_, left, right in merges]
 
 
-def _bpe_model(meta: Mapping[str, Any], tokens: list[str]) -> tuple[models.Model, list, Any]:
+def _bpe(meta: Mapping[str, Any], tokens: list[str]) -> tuple[models.Model, Any, Any, Any]:
+    """(model, pre-tokenizer, normalizer, decoder) of a byte-level BPE vocabulary ("gpt2")."""
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _BPE_PRE:
         raise ValueError(f"pre-tokenizer {pre!r} is not supported by the MLX engine; use the llama engine")
+    if "tokenizer.ggml.merges" not in meta:
+        raise ValueError("byte-level BPE vocabulary without tokenizer.ggml.merges")
     splits, ignore_merges, _ = _BPE_PRE[pre]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     model = models.BPE(
@@ -98,18 +101,19 @@ def _bpe_model(meta: Mapping[str, Any], tokens: list[str]) -> tuple[models.Model
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
-    return model, [pre_tok, None], decoders.ByteLevel()
+    return model, pre_tok, None, decoders.ByteLevel()
 
 
-def _spm_model(meta: Mapping[str, Any], tokens: list[str]) -> tuple[models.Model, list, Any]:
+def _spm(meta: Mapping[str, Any], tokens: list[str]) -> tuple[models.Model, Any, Any, Any]:
+    """(model, pre-tokenizer, normalizer, decoder) of a SentencePiece vocabulary ("llama")."""
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None:
         raise ValueError("SentencePiece vocabulary without tokenizer.ggml.scores")
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    unk_id = _token_id(meta, "unknown")
     model = models.BPE(
         vocab={t: i for i, t in enumerate(tokens)},
         merges=_spm_merges(tokens, scores),
-        unk_token=tokens[unk_id],
+        unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None,
         byte_fallback=True,
         fuse_unk=True,
     )
@@ -120,7 +124,7 @@ def _spm_model(meta: Mapping[str, Any], tokens: list[str]) -> tuple[models.Model
         # special token; a normalizer runs once per such run, so Prepend does the same.
         steps.insert(0, normalizers.Prepend("▁"))
         decode.append(decoders.Strip(" ", 1, 0))
-    return model, [None, normalizers.Sequence(steps)], decoders.Sequence(decode)
+    return model, None, normalizers.Sequence(steps), decoders.Sequence(decode)
 
 
 def _token_id(meta: Mapping[str, Any], key: str) -> int | None:
@@ -144,10 +148,10 @@ def build_tokenizer(meta: Mapping[str, Any], context_length: int | None = None) 
         raise ValueError("no tokenizer.ggml.tokens in the metadata")
     tokens = list(tokens)
     if kind == "gpt2":
-        model, (pre_tok, normalizer), decoder = _bpe_model(meta, tokens)
+        model, pre_tok, normalizer, decoder = _bpe(meta, tokens)
         add_bos_default = _BPE_PRE[meta.get("tokenizer.ggml.pre", "default")][2]
     elif kind == "llama":
-        model, (pre_tok, normalizer), decoder = _spm_model(meta, tokens)
+        model, pre_tok, normalizer, decoder = _spm(meta, tokens)
         add_bos_default = True
     else:
         raise ValueError(f"tokenizer model {kind!r} is not supported by the MLX engine; use the llama engine")
@@ -168,23 +172,25 @@ def build_tokenizer(meta: Mapping[str, Any], context_length: int | None = None) 
             added.append(AddedToken(text, special=special, normalized=False))
     tokenizer.add_tokens(added)
 
-    bos_id, eos_id = _token_id(meta, "bos"), _token_id(meta, "eos")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos_id is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-    if add_bos or add_eos:
-        bos = [(tokens[bos_id], bos_id)] if add_bos else []
-        eos = [(tokens[eos_id], eos_id)] if add_eos else []
-        single = " ".join([f"{t}:0" for t, _ in bos] + ["$A:0"] + [f"{t}:0" for t, _ in eos])
-        pair = single + " " + " ".join([f"{t}:1" for t, _ in bos] + ["$B:1"] + [f"{t}:1" for t, _ in eos])
-        tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=bos + eos)
-
     def text_of(token_id: int | None) -> str | None:
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
+    bos_id, eos_id = _token_id(meta, "bos"), _token_id(meta, "eos")
+    bos, eos = text_of(bos_id), text_of(eos_id)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        before, after = [bos] if add_bos else [], [eos] if add_eos else []
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=[*before, "$A", *after],
+            pair=[*before, "$A", *after, *(f"{t}:1" for t in before), "$B:1", *(f"{t}:1" for t in after)],
+            special_tokens=[(bos, bos_id)] * add_bos + [(eos, eos_id)] * add_eos,
+        )
+
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": text_of(bos_id),
-        "eos_token": text_of(eos_id),
+        "bos_token": bos,
+        "eos_token": eos,
         "unk_token": text_of(_token_id(meta, "unknown")),
         "pad_token": text_of(_token_id(meta, "padding")),
         "add_bos_token": add_bos,
