@@ -109,11 +109,18 @@ def models_list() -> None:
     """Models found in the Hugging Face cache, mesh-llm's cache, and the embedded default."""
     from mesh_llm.models import list_models
 
-    table = Table("name", "ref (for --model)", "format", "size", "engine", "path")
-    for m in list_models():
-        table.add_row(m.name, m.ref, ", ".join(m.formats), f"{m.size_bytes / 1e6:,.0f} MB", m.engine,
-                      str(m.path))
-    Console().print(table)
+    header = ("name", "ref (for --model)", "format", "size", "engine", "path")
+    rows = [(m.name, m.ref, ", ".join(m.formats), f"{m.size_bytes / 1e6:,.0f} MB", m.engine, str(m.path))
+            for m in list_models()]
+    out = Console()
+    if not out.is_terminal:  # scripts get one tab-separated line per model
+        for row in (header, *rows):
+            print("\t".join(row))
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
 
 
 @models_app.command("download")
