@@ -21,7 +21,8 @@ def run(backend, case, ttft, total, tps, phase="main", cached=0, tokens_from="us
     return {"kind": "run", "pair": "m", "backend": backend, "phase": phase, "case": case, "run": 0, "ok": True,
             "error": None, "eos": "ignore_eos", "max_tokens": 8, "prompt_tokens_target": 100,
             "prompt_tokens_sent": 100, "prompt_tokens": 100, "cached_tokens": cached, "completion_tokens": 8,
-            "ttft_ms": ttft, "total_ms": total, "decode_tps": tps, "tokens_from": tokens_from, "finish_reason": "length"}
+            "ttft_ms": ttft, "total_ms": total, "decode_tps": tps, "tokens_from": tokens_from,
+            "finish_reason": "length"}
 
 
 def records():

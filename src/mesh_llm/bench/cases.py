@@ -113,7 +113,11 @@ class PromptBuilder:
         system = f"Session {session}. {case.system}"
         if case.context is None:
             messages = self._messages(system, case.user)
-            return self._exact(case, messages) if case.prompt_tokens else Prompt(messages, self.tokenizer.count(messages))
+            tokens = self.tokenizer.count(messages)
+            if case.prompt_tokens not in (None, tokens):
+                raise ValueError(f"case {case.name!r}: its prompt is {tokens} tokens, not {case.prompt_tokens}; "
+                                 "give it a context to fill to an exact length")
+            return Prompt(messages, tokens)
         text = context_text(case.context, 8 * (case.prompt_tokens or 1024) + 4096)
 
         def count(chars: int) -> int:
@@ -127,13 +131,6 @@ class PromptBuilder:
         if self.tokenizer.supports_system:
             return [{"role": "system", "content": system}, {"role": "user", "content": user}]
         return [{"role": "user", "content": f"{system}\n\n{user}"}]
-
-    def _exact(self, case: Case, messages: list[dict]) -> Prompt:
-        tokens = self.tokenizer.count(messages)
-        if tokens != case.prompt_tokens:
-            raise ValueError(f"case {case.name!r}: its prompt is {tokens} tokens, not {case.prompt_tokens}; "
-                             "give it a context to fill to an exact length")
-        return Prompt(messages, tokens)
 
     @staticmethod
     def _search(case: Case, count, limit: int) -> int:
@@ -152,7 +149,7 @@ class PromptBuilder:
                 lo = mid + 1
             else:
                 hi = mid
-        for delta in range(0, 64):
+        for delta in range(64):
             for chars in (lo - delta, lo + delta):
                 if 0 <= chars <= limit and count(chars) == target:
                     return chars

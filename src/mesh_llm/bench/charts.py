@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
+import matplotlib.pyplot as plt
 
 CASE_CHARTS = [("ttft_ms", "ttft.png", "time to first token", "ms (lower is better)"),
                ("total_ms", "total.png", "total time", "ms (lower is better)"),

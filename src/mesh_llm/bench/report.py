@@ -15,6 +15,10 @@ EOS_NOTES = {
     None: "cannot be told to ignore EOS: the token count is what it generated",
 }
 METRIC_NAMES = {"ttft_ms": "TTFT", "total_ms": "total", "decode_tps": "decode"}
+REQUESTS_NOTE = ("Median (min–max) over the runs; TTFT is to the first streamed content, decode counts the tokens "
+                 "after the first to the end of the stream.")
+WINNERS_NOTE = ("Per case, the best median, then how many times slower each other backend is (for decode: how "
+                "many times fewer tokens per second). A ratio above 1 always favours the winner.")
 
 
 def fmt(stat: dict | None, digits: int = 0) -> str:
@@ -43,65 +47,82 @@ def console_tables(summary: dict) -> list[Table]:
 
 
 def write_report(summary: dict, out: Path, charts: list[Path]) -> Path:
-    s, env = summary["settings"], summary["environment"]
-    lines = [f"# mesh-llm bench, {s['started']}", ""]
-    lines += [f"- Machine: {env['cpu']}, {env['physical_cores']} physical cores"
-              + (f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU") + f"; {env['os']}; Python {env['python']}.",
-              "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
-              f"- Every backend: {s['threads']} threads, context {s['ctx_size']}, greedy (temperature 0), "
-              f"{s['max_tokens']} tokens per request unless a case says otherwise, streamed over HTTP, one "
-              "backend at a time.",
-              f"- Runs: {s['runs']} recorded per case, and {s['runs']} start(s) per backend; {s['warmup']} "
-              "unrecorded warm-up request(s) per case in the `main` phase; the `cache-sequence` phase has no "
-              "warm-up and runs its cases in order.",
-              "- Each request starts with its own session tag, so a prefix cache only helps a case that "
-              "extends the one before it (`cache-extend`).", ""]
-    lines += ["## Models", "", "| pair | MLX folder | GGUF |", "| --- | --- | --- |"]
-    lines += [f"| {p['name']} | `{p['mlx']}` | `{p['gguf']}` |" for p in s["pairs"]]
-    lines += ["", "## Backends", "", "| backend | serves | exact token count | command |", "| --- | --- | --- | --- |"]
-    for b in s["backends"]:
-        lines.append(f"| {b['name']} | {b['serves']} | {EOS_NOTES[b['eos']]} | `{b.get('command') or ''}` |")
-    paired = sorted({e["backend"] for e in summary["cases"] if "paired" in e["tokens_from"]})
-    if paired:
-        lines += ["", f"No token usage in the stream from {', '.join(paired)}: each of its requests was sent "
-                  "again without streaming to read the count (not timed)."]
-    lines += ["", "## Startup", "", "| pair | backend | starts ok | `/v1/models` answers, ms | first completion, ms |",
-              "| --- | --- | --- | --- | --- |"]
-    for e in summary["startup"]:
-        lines.append(f"| {e['pair']} | {e['backend']} | {e['ok']}/{e['runs']} | {fmt(e['startup_ms'])} | "
-                     f"{fmt(e['ready_ms'])} |")
-    lines += ["", "## Requests", "", "Median (min–max) over the runs; TTFT is to the first streamed content, "
-              "decode counts the tokens after the first to the end of the stream.", ""]
-    for pair in dict.fromkeys(e["pair"] for e in summary["cases"]):
-        for phase in dict.fromkeys(e["phase"] for e in summary["cases"] if e["pair"] == pair):
-            lines += [f"### {pair}, {phase}", "",
-                      "| case | backend | ok | prompt tokens | TTFT ms | total ms | decode tok/s | tokens | cached |",
-                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for e in summary["cases"]:
-                if e["pair"] == pair and e["phase"] == phase:
-                    lines.append(f"| {e['case']} | {e['backend']} | {e['ok']}/{e['runs']} | {fmt(e['prompt_tokens'])} | "
-                                 f"{fmt(e['ttft_ms'])} | {fmt(e['total_ms'])} | {fmt(e['decode_tps'], 1)} | "
-                                 f"{fmt(e['completion_tokens'])} | {fmt(e['cached_tokens'])} |")
-            lines.append("")
-    lines += ["## Charts", ""] + [f"![{p.stem}]({p.name})" for p in charts] + [""]
-    lines += ["## Who wins", "", "Per case, the best median, then how many times slower each other backend is."
-              " A ratio above 1 always favours the winner.", ""]
-    lines += _winner_lines(summary["winners"])
-    failures = [e for e in summary["startup"] + summary["cases"] if e["errors"]]
-    if failures:
-        lines += ["", "## Failures", ""]
-        for e in failures:
-            what = e.get("case", "startup")
-            for error in e["errors"]:
-                lines += [f"- {e['pair']} · {e['backend']} · {what}:", "", "  ```", *("  " + x for x in error.splitlines()),
-                          "  ```"]
+    sections = [_header(summary), _setup(summary), _startup(summary), _requests(summary),
+                ["## Charts", "", *(f"![{p.stem}]({p.name})" for p in charts)], _winners(summary["winners"]),
+                _failures(summary)]
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n\n".join("\n".join(lines) for lines in sections if lines) + "\n")
     return path
 
 
-def _winner_lines(winners: list[dict]) -> list[str]:
-    lines, by_case = [], {}
+def _header(summary: dict) -> list[str]:
+    s, env = summary["settings"], summary["environment"]
+    gpu = f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU"
+    return [
+        f"# mesh-llm bench, {s['started']}",
+        "",
+        (f"- Machine: {env['cpu']}, {env['physical_cores']} physical cores{gpu}; {env['os']}; "
+         f"Python {env['python']}."),
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
+        (f"- Every backend: {s['threads']} threads, context {s['ctx_size']}, greedy (temperature 0), "
+         f"{s['max_tokens']} tokens per request unless a case says otherwise, streamed over HTTP, one backend "
+         "at a time."),
+        (f"- Runs: {s['runs']} recorded per case, and {s['runs']} start(s) per backend; {s['warmup']} unrecorded "
+         "warm-up request(s) per case in the `main` phase; the `cache-sequence` phase has no warm-up and runs "
+         "its cases in order."),
+        ("- Each request starts with its own session tag, so a prefix cache only helps a case that extends the "
+         "one before it (`cache-extend`)."),
+    ]
+
+
+def _setup(summary: dict) -> list[str]:
+    s = summary["settings"]
+    lines = ["## Models", "", "| pair | MLX folder | GGUF |", "| --- | --- | --- |"]
+    lines += [f"| {p['name']} | `{p['mlx']}` | `{p['gguf']}` |" for p in s["pairs"]]
+    lines += ["", "## Backends", "", "| backend | serves | exact token count | command |", "| --- | --- | --- | --- |"]
+    lines += [f"| {b['name']} | {b['serves']} | {EOS_NOTES[b['eos']]} | `{b['command']}` |" for b in s["backends"]]
+    paired = sorted({e["backend"] for e in summary["cases"] if "paired" in e["tokens_from"]})
+    if paired:
+        note = (f"No token usage in the stream from {', '.join(paired)}: each of its requests was sent again "
+                "without streaming to read the counts (not timed).")
+        lines += ["", note]
+    return lines
+
+
+def _startup(summary: dict) -> list[str]:
+    lines = ["## Startup", "", "| pair | backend | starts ok | `/v1/models` answers, ms | first completion, ms |",
+             "| --- | --- | --- | --- | --- |"]
+    return lines + [f"| {e['pair']} | {e['backend']} | {e['ok']}/{e['runs']} | {fmt(e['startup_ms'])} | "
+                    f"{fmt(e['ready_ms'])} |" for e in summary["startup"]]
+
+
+def _requests(summary: dict) -> list[str]:
+    lines = ["## Requests", "", REQUESTS_NOTE]
+    entries = summary["cases"]
+    for pair in dict.fromkeys(e["pair"] for e in entries):
+        for phase in dict.fromkeys(e["phase"] for e in entries if e["pair"] == pair):
+            lines += ["", f"### {pair}, {phase}", "",
+                      "| case | backend | ok | prompt tokens | TTFT ms | total ms | decode tok/s | tokens | cached |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {e['case']} | {e['backend']} | {e['ok']}/{e['runs']} | {fmt(e['prompt_tokens'])} | "
+                      f"{fmt(e['ttft_ms'])} | {fmt(e['total_ms'])} | {fmt(e['decode_tps'], 1)} | "
+                      f"{fmt(e['completion_tokens'])} | {fmt(e['cached_tokens'])} |"
+                      for e in entries if e["pair"] == pair and e["phase"] == phase]
+    return lines
+
+
+def _failures(summary: dict) -> list[str]:
+    lines = []
+    for e in summary["startup"] + summary["cases"]:
+        for error in e["errors"]:
+            lines += [f"- {e['pair']} · {e['backend']} · {e.get('case', 'startup')}:", "", "  ```",
+                      *("  " + line for line in error.splitlines()), "  ```"]
+    return ["## Failures", "", *lines] if lines else []
+
+
+def _winners(winners: list[dict]) -> list[str]:
+    lines = ["## Who wins", "", WINNERS_NOTE, ""]
+    by_case = {}
     for w in winners:
         by_case.setdefault((w["pair"], w["phase"], w["case"]), []).append(w)
     for (pair, phase, case), ws in by_case.items():
