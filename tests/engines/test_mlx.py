@@ -25,6 +25,13 @@ MLXEngine = engine_class("mlx")
 MODELS = ["llama", "qwen2", "qwen3"]
 TEXT = "The capital of France is Paris, and the quick brown fox"
 GREEDY = SamplingParams(temperature=0)
+# On CPU the engine computes in float32 (OpenBLAS). On a GPU it keeps the checkpoint's dtype and
+# matmuls may round through TF32 or float16: measured 4e-4 to 1.4e-3 relative error on an H200.
+CPU_TOLERANCE, GPU_TOLERANCE = 1e-4, 5e-3
+
+
+def tolerance(engine) -> float:
+    return GPU_TOLERANCE if engine.info().device == "gpu" else CPU_TOLERANCE
 
 
 def reference_logits(ckpt, ids: list[int]) -> np.ndarray:
@@ -118,9 +125,9 @@ def test_logits_and_greedy_tokens_match_the_float64_reference(name, engines, che
         assert len(step.top_logprobs) == vocab
         # Logprobs are logits less a constant: compare both centred.
         ref_c, got_c = ref - ref.mean(), got - got.mean()
-        assert np.abs(got_c - ref_c).max() / np.abs(ref_c).max() <= 1e-4
+        assert np.abs(got_c - ref_c).max() / np.abs(ref_c).max() <= tolerance(engine)
         assert step.token == int(np.argmax(ref))
-        assert step.logprob == pytest.approx(log_softmax(ref)[step.token], abs=1e-4)
+        assert step.logprob == pytest.approx(log_softmax(ref)[step.token], abs=tolerance(engine))
         ids.append(step.token)
     assert steps[0].cached_tokens == 0
 
@@ -133,6 +140,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(engines, prompt):
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+    assert run(-3) == run(-3)  # any int is a seed
 
 
 @pytest.mark.parametrize("filters", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}])
@@ -168,7 +176,7 @@ def test_logprobs_are_consistent(engines, checkpoints, prompt):
         assert np.exp(values).sum() <= 1 + 1e-5
         assert step.logprob <= values[0] + 1e-6
     ref = log_softmax(reference_logits(checkpoints["qwen2"], prompt)[-1])
-    assert steps[0].logprob == pytest.approx(ref[steps[0].token], abs=1e-4)
+    assert steps[0].logprob == pytest.approx(ref[steps[0].token], abs=tolerance(engine))
     no_alternatives = take(engine.generate(prompt, SamplingParams(temperature=0, logprobs=0)), 1)[0]
     assert no_alternatives.top_logprobs == () and no_alternatives.logprob is not None
     assert take(engine.generate(prompt, GREEDY), 1)[0].logprob is None
@@ -196,11 +204,16 @@ def test_bad_requests_raise_value_error(engines, prompt):
 
 def test_info(engines):
     info = engines["qwen3"].info()
-    assert (info.engine, info.device, info.model_format) == ("mlx", "cpu", "safetensors")
-    assert info.backend.startswith("cpu+")
+    assert (info.engine, info.model_format) == ("mlx", "safetensors")
+    if info.device == "cpu":
+        assert info.backend.startswith("cpu+")
+        assert info.details["dtype"] == "float32"
+        assert int(info.details["threads"]) >= 1
+    else:
+        assert info.backend in ("cuda", "metal")
+        assert info.details["dtype"] == "float16"
     assert info.context_length == 256
     assert info.memory_bytes > 0
-    assert info.details["dtype"] == "float32"
     assert info.details["source_dtype"] == "float16"
     assert info.details["quantization"] == "none"
     assert info.details["blas"]
@@ -296,6 +309,7 @@ def test_bad_inputs_name_the_file(checkpoints, tmp_path):
 
 
 def test_quantized_checkpoint_is_dequantized_in_float32_on_cpu(checkpoints, prompt, tmp_path):
+    """On CPU; on a GPU the same checkpoint stays quantized and is checked at GPU tolerance."""
     import mlx.core as mx  # the engine module has interposed OpenBLAS by now
     from safetensors.numpy import save_file
 
@@ -321,7 +335,9 @@ def test_quantized_checkpoint_is_dequantized_in_float32_on_cpu(checkpoints, prom
 
     engine = MLXEngine.load(folder, EngineOptions())
     try:
-        assert engine.info().details["quantization"] == "dequantized from 8-bit affine g32"
+        on_gpu = engine.info().device == "gpu"
+        expected = "8-bit affine g32" if on_gpu else "dequantized from 8-bit affine g32"
+        assert engine.info().details["quantization"] == expected
         vocab = config["vocab_size"]
         step = take(engine.generate(prompt, SamplingParams(temperature=0, logprobs=vocab)), 1)[0]
     finally:
@@ -331,7 +347,8 @@ def test_quantized_checkpoint_is_dequantized_in_float32_on_cpu(checkpoints, prom
     for token, logprob in step.top_logprobs:
         got[token] = logprob
     ref_c, got_c = ref - ref.mean(), got - got.mean()
-    assert np.abs(got_c - ref_c).max() / np.abs(ref_c).max() <= 1e-4
+    limit = GPU_TOLERANCE if on_gpu else CPU_TOLERANCE
+    assert np.abs(got_c - ref_c).max() / np.abs(ref_c).max() <= limit
     assert step.token == int(np.argmax(ref))
 
 

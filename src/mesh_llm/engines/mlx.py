@@ -85,7 +85,9 @@ class MLXEngine(Engine):
             raise EngineError(f"{path}: no such file or folder")
         details = _prepare(model, config, options, path)
         _materialize(model, path, progress)
-        details.update(blas=_BLAS, threads=str(threads))
+        details["blas"] = _BLAS
+        if not _on_gpu():
+            details["threads"] = str(threads)
         text = _text_config(config)
         ctx = options.ctx_size or text.get("max_position_embeddings") or _DEFAULT_CONTEXT
         return cls(model, tokenizer, config, int(ctx), options, details, fmt)
@@ -189,8 +191,8 @@ class _Sampler:
             raise ValueError("logprobs must be >= 0")
         self.params = params
         self.top_n = min(params.logprobs or 0, vocab)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.key = mx.random.key(seed)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self.key = mx.random.key(seed % 2**64)  # any int, negative or huge, maps to a uint64
         # The same filters and order as mlx_lm.sample_utils.make_sampler (and llama.cpp's default
         # chain): top-p, min-p, top-k on the untempered distribution, then temperature.
         self.filters = []
@@ -221,14 +223,16 @@ class _Sampler:
         return out
 
     def step(self, arrays: list[mx.array], cached: int) -> Step:
-        token = int(arrays[0].item())
-        if len(arrays) == 1:
+        """Read one evaluated step. Only whole arrays are read (``tolist``): indexing one would
+        queue a new op behind the next step's forward pass and wait for it, undoing the overlap."""
+        values = [a.tolist() for a in arrays]
+        token = values[0][0]
+        if len(values) == 1:
             return Step(token=token, cached_tokens=cached)
         alternatives = ()
-        if len(arrays) == 4:
-            pairs = zip(arrays[2][0].tolist(), arrays[3][0].tolist())
-            alternatives = tuple(sorted(pairs, key=lambda p: -p[1]))
-        return Step(token=token, logprob=float(arrays[1].item()), top_logprobs=alternatives,
+        if len(values) == 4:
+            alternatives = tuple(sorted(zip(values[2][0], values[3][0]), key=lambda p: -p[1]))
+        return Step(token=token, logprob=values[1][0][0], top_logprobs=alternatives,
                     cached_tokens=cached)
 
 
