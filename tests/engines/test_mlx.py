@@ -425,3 +425,21 @@ def test_mlx_multiplies_with_openblas_on_linux_cpu(tmp_path):
     assert gflops > 20
     blas, _, stderr = probe("late")
     assert blas == "reference (slow)" and "imported before" in stderr
+
+
+def test_tokenizer_adds_the_bos_its_config_asks_for(checkpoints, tokenizer_obj, tmp_path):
+    """tokenizer_config's add_bos_token, for tokenizer.json files without a BOS post-processor."""
+    folder = _copy(checkpoints["llama"].path, tmp_path / "with-bos")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config |= {"bos_token": {"content": "<|endoftext|>", "special": True}, "add_bos_token": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = MLXEngine.load(folder, EngineOptions())
+    try:
+        tok = engine.tokenizer
+        bos = tokenizer_obj.token_to_id("<|endoftext|>")
+        assert tok.bos_token == "<|endoftext|>"
+        assert tok.encode("Paris", add_special_tokens=True)[0] == bos
+        assert tok.encode("Paris", add_special_tokens=False)[0] != bos
+        assert tok.encode("<|endoftext|>Paris", add_special_tokens=True).count(bos) == 1
+    finally:
+        engine.close()
