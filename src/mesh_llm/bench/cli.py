@@ -80,6 +80,8 @@ def bench_command(
         def update(what: str, steps: int) -> None:
             if what:
                 progress.update(task, description=what)
+                if not console.is_terminal:  # a log file gets one line per step instead of a bar
+                    console.print(f"[{datetime.now():%H:%M:%S}] {what}", markup=False, highlight=False)
             progress.advance(task, steps)
 
         records = Runner(plan, out, update).run()
