@@ -153,10 +153,13 @@ class Server:
             return
         self.proc.send_signal(signal.SIGINT)
         try:
-            self.proc.wait(grace)
+            how = f"exited with code {self.proc.wait(grace)} on SIGINT"
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+            how = f"still running {grace:.0f} s after SIGINT: killed"
+        with open(self.log, "a") as log:
+            log.write(f"[bench] pid {self.proc.pid} {how}\n")
 
     def log_tail(self, lines: int = 8) -> str:
         try:
