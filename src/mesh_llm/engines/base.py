@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
+import numpy as np
+
 
 class EngineError(Exception):
     """A model cannot be loaded or served by an engine; the message names the file and the problem."""
@@ -128,6 +130,11 @@ class Engine(abc.ABC):
         closing the iterator, which frees the engine at once for the next generation. Only one
         generation runs at a time: starting another closes any previous one.
         """
+
+    @abc.abstractmethod
+    def score(self, tokens: Sequence[int]) -> np.ndarray:
+        """Float32 logits, shape (len(tokens), vocab): what the model predicts after each prefix of
+        ``tokens``, in one pass (teacher forcing: parity checks, prompt logprobs)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model's memory."""

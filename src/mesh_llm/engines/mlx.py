@@ -18,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mesh_llm.engines.mlx_blas import ensure_fast_blas, physical_cores, set_blas_threads
 
 _BLAS = ensure_fast_blas()  # must run before mlx.core is first imported in the process
@@ -130,6 +132,17 @@ class MLXEngine(Engine):
         sampler = _Sampler(params, self._vocab)
         self._active = self._steps(prompt, sampler)
         return self._active
+
+    def score(self, tokens: Sequence[int]) -> np.ndarray:
+        ids = [int(t) for t in tokens]
+        if not ids or min(ids) < 0 or max(ids) >= self._vocab or len(ids) > self._context:
+            raise ValueError(f"score needs 1 to {self._context} token ids in [0, {self._vocab})")
+        cache, step = make_prompt_cache(self._model), max(1, self._options.prefill_step)
+        rows = []
+        for start in range(0, len(ids), step):
+            logits = self._model(mx.array(ids[start:start + step])[None], cache=cache)[0]
+            rows.append(np.array(logits.astype(mx.float32)))
+        return np.concatenate(rows)
 
     def close(self) -> None:
         if self._active is not None:
