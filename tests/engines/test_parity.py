@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
@@ -73,3 +74,16 @@ def test_teacher_forced_top1_agreement_and_greedy_prefixes(engines):
     assert positions >= 200
     assert agree / positions >= 0.95
     assert same_prefix >= 4
+
+
+def test_score_agrees_with_generate_on_each_engine(engines):
+    for engine in engines:
+        prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": PROMPTS[1]}])
+        first = next(iter(engine.generate(prompt, SamplingParams(temperature=0.0, logprobs=3))))
+        logits = engine.score(prompt).astype(np.float64)
+        assert logits.shape == (len(prompt), engine.tokenizer.vocab_size)
+        last = logits[-1] - logits[-1].max()
+        logprobs = last - np.log(np.exp(last).sum())
+        assert int(logprobs.argmax()) == first.token
+        assert abs(logprobs[first.token] - first.logprob) < 1e-3
+        assert [t for t, _ in first.top_logprobs] == list(np.argsort(-logprobs)[:3])

@@ -444,14 +444,16 @@ class LlamaEngine(Engine):
         self._decode(prompt[keep:])
         return keep
 
-    def _decode(self, tokens: list[int]) -> None:
-        """Append ``tokens`` to the context in batches, with logits for the last of each batch."""
+    def _decode(self, tokens: list[int], all_logits: bool = False) -> list[np.ndarray]:
+        """Append ``tokens`` to the context in batches, with logits for the last of each batch (or, with
+        ``all_logits``, for every token: those rows are returned)."""
+        rows: list[np.ndarray] = []
         for start in range(0, len(tokens), self._n_batch):
             chunk = tokens[start : start + self._n_batch]
             n, past = len(chunk), len(self._tokens)
             self._batch_token[:n] = chunk
             self._batch_pos[:n] = np.arange(past, past + n)
-            self._batch_logits[:n] = 0
+            self._batch_logits[:n] = 1 if all_logits else 0
             self._batch_logits[n - 1] = 1
             self._batch.n_tokens = n
             rc = ll.llama_decode(self._ctx, self._batch)
@@ -460,6 +462,21 @@ class LlamaEngine(Engine):
                 self._tokens.clear()
                 raise EngineError(f"{self._path}: llama_decode failed (code {rc}) at position {past}")
             self._tokens.extend(chunk)
+            if all_logits:
+                rows.extend(np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, i),
+                                                  shape=(self._n_vocab,)).copy() for i in range(n))
+        return rows
+
+    def score(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits of every position, from an emptied context (closes any running generation)."""
+        self._stop_active()
+        self._check_open()
+        ids = [int(t) for t in tokens]
+        if not ids or len(ids) > self._n_ctx or min(ids) < 0 or max(ids) >= self._n_vocab:
+            raise EngineError(f"score needs 1 to {self._n_ctx} token ids in [0, {self._n_vocab})")
+        ll.llama_memory_clear(self._memory, True)
+        self._tokens.clear()
+        return np.stack(self._decode(ids, all_logits=True)).astype(np.float32)
 
     def _logprobs(self, token: int, n: int | None) -> tuple[float | None, tuple[tuple[int, float], ...]]:
         """log_softmax of the raw logits over the whole vocabulary (before any temperature or filter),
