@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -27,7 +28,7 @@ console = Console(stderr=True)
 
 
 def fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
 
 
@@ -136,7 +137,7 @@ def models_download(
         path = download(repo_id, revision=revision or None, include=include or None)
     except Exception as exc:  # huggingface_hub raises many kinds; each is one line for the user
         raise fail(f"download of {repo} failed: {exc}") from None
-    console.print(f"downloaded {repo} to {path}")
+    console.print(f"downloaded {repo} to {path}", markup=False)
 
 
 @models_app.command("import-gguf")
@@ -166,7 +167,7 @@ def models_import_gguf(
         path = import_gguf(src, out_dir, dtype=dtype, progress=ProgressBars().bar(src.name))
     except GGUFConvertError as exc:
         raise fail(str(exc)) from None
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", markup=False)
 
 
 def main() -> None:

@@ -25,7 +25,10 @@ def engine_names() -> list[str]:
 
 def is_installed(name: str) -> bool:
     """True when the engine's dependency can be imported (checked without importing it)."""
-    return importlib.util.find_spec(_ENGINES[name][3]) is not None
+    try:
+        return importlib.util.find_spec(_ENGINES[name][3]) is not None
+    except ImportError:
+        return False
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -37,7 +40,11 @@ def engine_class(name: str) -> type[Engine]:
         raise EngineUnavailable(
             f"the {name} engine needs the '{dependency}' package: pip install 'mesh-llm[{extra}]'"
         )
-    return getattr(importlib.import_module(module), cls)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:  # installed but broken, e.g. a native library that fails to load
+        raise EngineUnavailable(f"the {name} engine cannot be imported ({exc}); reinstall it: "
+                                f"pip install --force-reinstall 'mesh-llm[{extra}]'") from None
 
 
 def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str, str, str]:
