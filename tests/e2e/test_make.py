@@ -1,0 +1,47 @@
+"""The README's first command, run as written from a fresh clone: `make serve` sets up its own .venv
+and serves the embedded model on http://127.0.0.1:9337/v1 (here on a free port through ARGS)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from support import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_make_serve_from_a_fresh_clone(tmp_path):
+    clone = tmp_path / "mesh-llm"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    port = free_port()
+    log = open(tmp_path / "make.log", "wb")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    proc = subprocess.Popen(["make", "serve", f"ARGS=--port {port}"], cwd=clone, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 1800  # a first install may build llama-cpp-python
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "make.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 20,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]})
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+        assert (clone / ".venv" / "bin" / "mesh-llm").exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
