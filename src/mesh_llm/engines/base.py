@@ -36,6 +36,8 @@ class EngineOptions:
     quantize: int | None = None  # 4 or 8: quantize on load (MLX on a GPU only)
     threads: int | None = None  # None: the number of physical cores
     prefill_step: int = 512  # prompt tokens evaluated per forward pass during prefill
+    cache_bytes: int | None = None  # prompt cache budget; None: from free memory at load; 0: off
+    cache_entries: int = 64  # most states the prompt cache keeps
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,10 @@ class Engine(abc.ABC):
     def score(self, tokens: Sequence[int]) -> np.ndarray:
         """Float32 logits, shape (len(tokens), vocab): what the model predicts after each prefix of
         ``tokens``, in one pass (teacher forcing: parity checks, prompt logprobs)."""
+
+    def cache_stats(self) -> dict:
+        """The prompt cache's counters (``PromptCache.stats``); {} without one. Any thread may call."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model's memory."""

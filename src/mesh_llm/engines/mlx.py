@@ -4,13 +4,15 @@ Models are built by mlx-lm's own classes (``mlx_lm.utils.load_model`` for folder
 ``_get_classes`` + ``sanitize`` + ``load_weights`` steps for GGUF weights), so every architecture
 mlx-lm supports loads. What this file adds is what a server needs around them: fast BLAS and
 dequantized float32 weights on CPU, per-request sampling with its own PRNG key, logprobs computed
-on the device, chunked prefill and a pipelined decode loop (as in ``mlx_lm.generate.generate_step``).
+on the device, chunked prefill, a pipelined decode loop (as in ``mlx_lm.generate.generate_step``) and
+prompt-cache reuse across requests (``prompt_cache.PromptCache`` holding :class:`_Frozen` states).
 
 Everything MLX runs on the thread that calls :meth:`MLXEngine.load`; this module starts no threads.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import secrets
@@ -28,7 +30,14 @@ import mlx.core as mx
 import mlx_lm
 from mlx import nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_model
 
@@ -42,6 +51,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
+from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,8 @@ log = logging.getLogger(__name__)
 CPU_DTYPE = mx.float32
 QUANT_GROUP_SIZE = 64
 _DEFAULT_CONTEXT = 4096  # for configs that state no max_position_embeddings
+_PLAIN_KV = (KVCache, QuantizedKVCache)  # layer caches that can always be trimmed
+_KV_LIKE = (*_PLAIN_KV, RotatingKVCache)  # layer caches that own whole buffers
 
 
 class MLXEngine(Engine):
@@ -71,6 +83,15 @@ class MLXEngine(Engine):
         self._details = details
         self._format = model_format
         self._active: Iterator[Step] | None = None
+        cache_bytes = options.cache_bytes
+        if cache_bytes is None:
+            cache_bytes = default_cache_bytes(_free_memory())
+        self._prompts = PromptCache(cache_bytes, options.cache_entries)
+        # Layers that cannot always be cut back (recurrent state, sliding windows) get checkpoints.
+        self._checkpoints = not all(isinstance(c, _PLAIN_KV) for c in _leaves(make_prompt_cache(model)))
+        if self._prompts.enabled:
+            self._details["prompt_cache"] = (f"{cache_bytes / 1e6:.0f} MB, {options.cache_entries} "
+                                             f"entries" + (", checkpoints" if self._checkpoints else ""))
 
     @classmethod
     def load(cls, path: Path, options: EngineOptions, progress=None) -> MLXEngine:
@@ -144,53 +165,83 @@ class MLXEngine(Engine):
             rows.append(np.array(logits.astype(mx.float32)))
         return np.concatenate(rows)
 
+    def cache_stats(self) -> dict:
+        return self._prompts.stats()
+
     def close(self) -> None:
         if self._active is not None:
             self._active.close()
         self._active = None
+        self._prompts.clear()
         self._model = None
         mx.clear_cache()
 
     def _prompt_cache(self, prompt: list[int]) -> tuple[list[Any], int]:
-        """The KV cache to generate with and how many prompt tokens it already holds.
-
-        The one place KV caches are made: a later prompt cache looks up stored KV states here.
-        """
+        """The KV cache to generate with and how many prompt tokens it already holds."""
+        if self._prompts.enabled:
+            cache, reused = self._prompts.lookup(prompt)
+            if cache is not None:
+                log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(prompt))
+                return cache, reused
         return make_prompt_cache(self._model), 0
+
+    def _keep(self, tokens: list[int], cache: list[Any]) -> None:
+        """Store ``cache``, which holds exactly ``tokens``, for later prompts (it is not used again)."""
+        if self._prompts.enabled:
+            self._prompts.insert(tokens, _Frozen(cache, len(tokens)))
 
     def _steps(self, prompt: list[int], sampler: _Sampler) -> Iterator[Step]:
         cache, reused = self._prompt_cache(prompt)
-        todo = prompt[reused:]
         step = max(1, self._options.prefill_step)
         # Prefill all but the last prompt token in chunks, keeping only the KV states (as
-        # generate_step does); the last token's forward pass yields the first logits.
-        for start in range(0, len(todo) - 1, step):
-            chunk = todo[start : min(start + step, len(todo) - 1)]
-            self._model(mx.array(chunk)[None], cache=cache)
+        # generate_step does); the last token's forward pass yields the first logits. Chunks end at
+        # multiples of the step, so a resumed prefill splits the rest of the prompt as a cold one
+        # does, and there a model that needs checkpoints leaves one (plus one at the prompt's end).
+        start = reused
+        while start < len(prompt) - 1:
+            end = min((start // step + 1) * step, len(prompt) - 1)
+            self._model(mx.array(prompt[start:end])[None], cache=cache)
             mx.eval([c.state for c in cache])
+            if self._checkpoints:
+                self._keep(prompt[:end], copy.deepcopy(cache))
             mx.clear_cache()
-        # Token n+1's graph is built before token n is read. On a GPU it is also queued at once
-        # (mx.async_eval, as generate_step does), so Python builds the next graph while the device
-        # computes this one: +7-19% tok/s on an H200. On CPU the same queueing cost ~20% on a tiny
-        # model and nothing on SmolLM2-135M (measured, 2-core EPYC), so there it is not queued.
+            start = end
+        # On a GPU, token n+1's graph is built and queued (mx.async_eval, as generate_step does)
+        # before token n is read, so Python builds the next graph while the device computes this
+        # one: +7-19% tok/s on an H200. On CPU the same queueing cost ~20% on a tiny model and
+        # nothing on SmolLM2-135M (measured, 2-core EPYC), so there the next step is built only when
+        # asked for: a generation closed after token n stores its state without computing one more
+        # step (a decode step's time: 65 ms on SmolLM2).
         pipelined = _on_gpu()
-        pending = self._forward(mx.array(todo[-1:]), cache, sampler)
+        pending = self._forward(mx.array(prompt[-1:]), cache, sampler)
         if pipelined:
             mx.async_eval(pending)
-        length = len(prompt) + 1  # tokens in the sequence once ``pending``'s token is appended
+        held = list(prompt)  # the tokens whose state ``cache`` holds (the last ones maybe lazily)
         cached = reused  # reported on the first step only
-        while True:
-            current = pending
-            if length < self._context:
-                pending = self._forward(current[0], cache, sampler)
-                if pipelined:
+        try:
+            while True:
+                current = pending
+                feed = len(held) + 1 < self._context  # room for this step's token and the next
+                ahead = feed and pipelined
+                if ahead:
+                    pending = self._forward(current[0], cache, sampler)
                     mx.async_eval(pending)
-            yield sampler.step(current, cached=cached)
-            if length >= self._context:
-                return
-            length, cached = length + 1, 0
-            if length % 256 == 0:
-                mx.clear_cache()
+                out = sampler.step(current, cached=cached)
+                if ahead:
+                    held.append(out.token)
+                yield out
+                if not feed:
+                    break
+                if not ahead:
+                    pending = self._forward(mx.array([out.token]), cache, sampler)
+                    held.append(out.token)
+                cached = 0
+                if len(held) % 256 == 0:
+                    mx.clear_cache()
+        except GeneratorExit:  # the caller closed it: the usual end of a generation
+            self._keep(held, cache)
+            raise
+        self._keep(held, cache)
 
     def _forward(self, tokens: mx.array, cache: list[Any], sampler: _Sampler) -> list[mx.array]:
         logits = self._model(tokens.reshape(1, -1), cache=cache)[:, -1, :]
@@ -252,6 +303,87 @@ class _Sampler:
             alternatives = tuple(sorted(zip(values[2][0], values[3][0]), key=lambda p: -p[1]))
         return Step(token=token, logprob=values[1][0][0], top_logprobs=alternatives,
                     cached_tokens=cached)
+
+
+class _Frozen:
+    """mlx-lm's per-layer caches after exactly ``length`` tokens, stored in a :class:`PromptCache`.
+
+    A layer cache updates its arrays in place (``keys[..., i:j, :] = k`` rebinds the array object),
+    so a state handed out while the cache keeps it is a copy: new cache objects whose arrays share
+    the stored buffers until written (MLX then copies instead of writing in place, as a buffer with
+    another reader cannot be donated). A plain KV cache is copied as a slice of its first ``n``
+    positions, so that first write copies only what is reused.
+    """
+
+    def __init__(self, cache: list[Any], length: int):
+        arrays = _freeze(cache)  # also finishes a decode step still queued on them
+        self.cache, self.length = cache, length
+        self.nbytes = sum(a.nbytes for a in arrays)
+        self.trimmable = all(isinstance(c, _PLAIN_KV) or
+                             (isinstance(c, RotatingKVCache) and c.is_trimmable())
+                             for c in _leaves(cache))
+
+    def resume(self, n: int, owned: bool) -> list[Any]:
+        if owned:
+            trim_prompt_cache(self.cache, self.length - n)
+            return self.cache
+        return [_kv_prefix(c, n) if type(c) is KVCache else _trimmed_copy(c, self.length - n)
+                for c in self.cache]
+
+
+def _kv_prefix(c: KVCache, n: int) -> KVCache:
+    prefix = KVCache()
+    prefix.keys, prefix.values, prefix.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+    return prefix
+
+
+def _trimmed_copy(c: Any, n: int) -> Any:
+    c = copy.deepcopy(c)  # new array objects over the same buffers
+    if n:
+        c.trim(n)
+    return c
+
+
+def _leaves(cache: list[Any]) -> list[Any]:
+    return [leaf for c in cache
+            for leaf in (_leaves(c.caches) if isinstance(c, CacheList) else [c])]
+
+
+def _freeze(cache: list[Any]) -> list[mx.array]:
+    """Evaluate every array the layer caches hold, and return them. KV caches hold whole buffers
+    they allocated; other layer states (conv and SSM states) are often slices that would keep their
+    source buffer (a prefill chunk's activations) alive and uncounted, so those are copied."""
+    kept: list[mx.array] = []
+    sources: list[mx.array] = []  # held until evaluated, so that no copy can take over its buffer
+
+    def own(x, copy_arrays: bool):
+        if isinstance(x, mx.array):
+            if copy_arrays:
+                sources.append(x)
+                x = mx.array(x)
+            kept.append(x)
+            return x
+        if isinstance(x, (list, tuple)):
+            return type(x)(own(v, copy_arrays) for v in x)
+        if hasattr(x, "__dict__"):
+            copy_arrays = copy_arrays and not isinstance(x, _KV_LIKE)
+            for name, value in list(vars(x).items()):
+                vars(x)[name] = own(value, copy_arrays)
+        return x
+
+    own(cache, True)
+    mx.eval(kept)
+    return kept
+
+
+def _free_memory() -> int:
+    """Bytes free for the prompt cache's default size: the GPU's working set less what MLX holds
+    (weights included), or the system's available RAM on CPU."""
+    if _on_gpu():
+        info = mx.device_info()
+        total = info.get("max_recommended_working_set_size") or info.get("memory_size") or 0
+        return int(total) - mx.get_active_memory()
+    return available_memory()
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
