@@ -84,6 +84,10 @@ def serve(
     alias: list[str] = typer.Option([], help="Id to serve each --model under, in order."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: physical cores)."),
     max_queue: int = typer.Option(64, help="Requests that may wait per model before 429."),
+    cache_bytes: Optional[str] = typer.Option(None, help="Prompt cache size per model: bytes, or "
+                                              "512M, 2G; 0 turns it off. Default: a quarter of the "
+                                              "memory free after loading, at most 16G."),
+    cache_entries: int = typer.Option(64, help="Most prompt states the cache keeps per model."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Serve models on an OpenAI-compatible API (http://HOST:PORT/v1)."""
@@ -95,14 +99,31 @@ def serve(
         raise fail(f"--engine must be auto, mlx or llama, not {engine!r}")
     if quantize not in (None, 4, 8):
         raise fail("--quantize must be 4 or 8")
+    try:
+        cache_size = None if cache_bytes is None else parse_bytes(cache_bytes)
+    except ValueError:
+        raise fail(f"--cache-bytes must be a byte count such as 512M, 2G or 0, not {cache_bytes!r}") \
+            from None
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
-                         max_queue=max_queue)
+                         max_queue=max_queue, cache_bytes=cache_size, cache_entries=cache_entries)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
     except StartupError as exc:
         raise fail(str(exc)) from None
     raise typer.Exit(code)
+
+
+def parse_bytes(text: str) -> int:
+    """``2G``, ``512M``, ``1.5g``, ``64KiB`` or plain bytes, in powers of 1024."""
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = 1
+    if number and number[-1] in "KMGT":
+        scale, number = 1024 ** ("KMGT".index(number[-1]) + 1), number[:-1]
+    value = float(number) * scale
+    if not 0 <= value < 2**63:  # also refuses nan and inf
+        raise ValueError(text)
+    return int(value)
 
 
 @models_app.command("list")

@@ -37,6 +37,8 @@ class ServeConfig:
     threads: int | None = None
     max_queue: int = 64
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
+    cache_entries: int = 64
 
 
 @dataclass
@@ -87,7 +89,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
-    options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads)
+    options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads,
+                            cache_bytes=config.cache_bytes, cache_entries=config.cache_entries)
     workers = []
     for plan in plans:
         cls = engine_class(plan.engine)

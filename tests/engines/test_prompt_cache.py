@@ -109,7 +109,7 @@ def test_randomized_lookups_match_a_brute_force_search_and_stay_in_budget():
                                                                   for _ in range(rng.randrange(0, 8))]
         live = {k: s for k, s in stored.items() if s in _states(cache)}
 
-        def usable(tokens, state):
+        def usable(tokens, state, prompt=prompt):
             common = next((i for i, (a, b) in enumerate(zip(tokens, prompt)) if a != b),
                           min(len(tokens), len(prompt)))
             if state.trimmable:

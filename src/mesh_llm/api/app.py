@@ -73,6 +73,12 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_json(m) for m in by_id.values()]}
 
+    @app.get("/api/cache", dependencies=[Depends(require_key)])
+    async def cache_stats() -> dict:
+        """Each model's prompt cache: entries, bytes, hits, misses, tokens reused, evictions."""
+        return {"data": [{"model": m.id, "engine": m.worker.info.engine if m.worker.info else None,
+                          **m.worker.cache_stats()} for m in by_id.values()]}
+
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = lookup(body.model)

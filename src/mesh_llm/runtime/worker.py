@@ -134,6 +134,10 @@ class ModelWorker:
             raise WorkerNotReady(f"model {self.name!r} is not loaded")
         return self._engine.tokenizer
 
+    def cache_stats(self) -> dict:
+        """The engine's prompt-cache counters ({} while loading); safe from any thread."""
+        return self._engine.cache_stats() if self.ready else {}
+
     def stop(self, timeout: float = 30) -> None:
         """Finish the running generation, drop waiting ones, close the engine."""
         while True:
