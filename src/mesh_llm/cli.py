@@ -110,8 +110,14 @@ def serve(
     try:
         code = run(config, progress_factory=ProgressBars().bar)
     except StartupError as exc:
-        raise fail(str(exc)) from None
-    raise typer.Exit(code)
+        fail(str(exc))
+        code = 2
+    # The workers have stopped and closed their engines. Skip C++ static destructors: MLX's abort
+    # ("terminate called without an active exception", exit -6) when a stream thread outlives them.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def parse_bytes(text: str) -> int:
