@@ -377,12 +377,15 @@ def _freeze(cache: list[Any]) -> list[mx.array]:
 
 
 def _free_memory() -> int:
-    """Bytes free for the prompt cache's default size: the GPU's working set less what MLX holds
-    (weights included), or the system's available RAM on CPU."""
+    """Bytes free for the prompt cache's default size: the GPU's memory (Metal: its recommended
+    working set) less what MLX holds, weights included; on CPU, or a GPU that reports no size, the
+    system's available RAM."""
     if _on_gpu():
         info = mx.device_info()
-        total = info.get("max_recommended_working_set_size") or info.get("memory_size") or 0
-        return int(total) - mx.get_active_memory()
+        total = (info.get("max_recommended_working_set_size") or info.get("memory_size")
+                 or info.get("total_memory"))  # Metal, Metal, CUDA
+        if total:
+            return int(total) - mx.get_active_memory()
     return available_memory()
 
 
