@@ -5,7 +5,7 @@ Models are built by mlx-lm's own classes (``mlx_lm.utils.load_model`` for folder
 mlx-lm supports loads. What this file adds is what a server needs around them: fast BLAS and
 dequantized float32 weights on CPU, per-request sampling with its own PRNG key, logprobs computed
 on the device, chunked prefill, a pipelined decode loop (as in ``mlx_lm.generate.generate_step``) and
-prompt-cache reuse across requests (``prompt_cache.PromptCache`` holding :class:`_Frozen` states).
+prompt-cache reuse across requests (``prompt_cache.PromptCache`` holding ``mlx_cache.Frozen`` states).
 
 Everything MLX runs on the thread that calls :meth:`MLXEngine.load`; this module starts no threads.
 """
@@ -30,14 +30,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx import nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import (
-    CacheList,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_model
 
@@ -51,7 +44,8 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
-from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
+from mesh_llm.engines.mlx_cache import Frozen, free_memory, needs_checkpoints
+from mesh_llm.engines.prompt_cache import PromptCache, default_cache_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +56,6 @@ log = logging.getLogger(__name__)
 CPU_DTYPE = mx.float32
 QUANT_GROUP_SIZE = 64
 _DEFAULT_CONTEXT = 4096  # for configs that state no max_position_embeddings
-_PLAIN_KV = (KVCache, QuantizedKVCache)  # layer caches that can always be trimmed
-_KV_LIKE = (*_PLAIN_KV, RotatingKVCache)  # layer caches that own whole buffers
 
 
 class MLXEngine(Engine):
@@ -85,10 +77,9 @@ class MLXEngine(Engine):
         self._active: Iterator[Step] | None = None
         cache_bytes = options.cache_bytes
         if cache_bytes is None:
-            cache_bytes = default_cache_bytes(_free_memory())
+            cache_bytes = default_cache_bytes(free_memory())
         self._prompts = PromptCache(cache_bytes, options.cache_entries)
-        # Layers that cannot always be cut back (recurrent state, sliding windows) get checkpoints.
-        self._checkpoints = not all(isinstance(c, _PLAIN_KV) for c in _leaves(make_prompt_cache(model)))
+        self._checkpoints = needs_checkpoints(make_prompt_cache(model))
         if self._prompts.enabled:
             self._details["prompt_cache"] = (f"{cache_bytes / 1e6:.0f} MB, {options.cache_entries} "
                                              f"entries" + (", checkpoints" if self._checkpoints else ""))
@@ -188,7 +179,7 @@ class MLXEngine(Engine):
     def _keep(self, tokens: list[int], cache: list[Any]) -> None:
         """Store ``cache``, which holds exactly ``tokens``, for later prompts (it is not used again)."""
         if self._prompts.enabled:
-            self._prompts.insert(tokens, _Frozen(cache, len(tokens)))
+            self._prompts.insert(tokens, Frozen(cache, len(tokens)))
 
     def _steps(self, prompt: list[int], sampler: _Sampler) -> Iterator[Step]:
         cache, reused = self._prompt_cache(prompt)
@@ -303,90 +294,6 @@ class _Sampler:
             alternatives = tuple(sorted(zip(values[2][0], values[3][0]), key=lambda p: -p[1]))
         return Step(token=token, logprob=values[1][0][0], top_logprobs=alternatives,
                     cached_tokens=cached)
-
-
-class _Frozen:
-    """mlx-lm's per-layer caches after exactly ``length`` tokens, stored in a :class:`PromptCache`.
-
-    A layer cache updates its arrays in place (``keys[..., i:j, :] = k`` rebinds the array object),
-    so a state handed out while the cache keeps it is a copy: new cache objects whose arrays share
-    the stored buffers until written (MLX then copies instead of writing in place, as a buffer with
-    another reader cannot be donated). A plain KV cache is copied as a slice of its first ``n``
-    positions, so that first write copies only what is reused.
-    """
-
-    def __init__(self, cache: list[Any], length: int):
-        arrays = _freeze(cache)  # also finishes a decode step still queued on them
-        self.cache, self.length = cache, length
-        self.nbytes = sum(a.nbytes for a in arrays)
-        self.trimmable = all(isinstance(c, _PLAIN_KV) or
-                             (isinstance(c, RotatingKVCache) and c.is_trimmable())
-                             for c in _leaves(cache))
-
-    def resume(self, n: int, owned: bool) -> list[Any]:
-        if owned:
-            trim_prompt_cache(self.cache, self.length - n)
-            return self.cache
-        return [_kv_prefix(c, n) if type(c) is KVCache else _trimmed_copy(c, self.length - n)
-                for c in self.cache]
-
-
-def _kv_prefix(c: KVCache, n: int) -> KVCache:
-    prefix = KVCache()
-    prefix.keys, prefix.values, prefix.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-    return prefix
-
-
-def _trimmed_copy(c: Any, n: int) -> Any:
-    c = copy.deepcopy(c)  # new array objects over the same buffers
-    if n:
-        c.trim(n)
-    return c
-
-
-def _leaves(cache: list[Any]) -> list[Any]:
-    return [leaf for c in cache
-            for leaf in (_leaves(c.caches) if isinstance(c, CacheList) else [c])]
-
-
-def _freeze(cache: list[Any]) -> list[mx.array]:
-    """Evaluate every array the layer caches hold, and return them. KV caches hold whole buffers
-    they allocated; other layer states (conv and SSM states) are often slices that would keep their
-    source buffer (a prefill chunk's activations) alive and uncounted, so those are copied."""
-    kept: list[mx.array] = []
-    sources: list[mx.array] = []  # held until evaluated, so that no copy can take over its buffer
-
-    def own(x, copy_arrays: bool):
-        if isinstance(x, mx.array):
-            if copy_arrays:
-                sources.append(x)
-                x = mx.array(x)
-            kept.append(x)
-            return x
-        if isinstance(x, (list, tuple)):
-            return type(x)(own(v, copy_arrays) for v in x)
-        if hasattr(x, "__dict__"):
-            copy_arrays = copy_arrays and not isinstance(x, _KV_LIKE)
-            for name, value in list(vars(x).items()):
-                vars(x)[name] = own(value, copy_arrays)
-        return x
-
-    own(cache, True)
-    mx.eval(kept)
-    return kept
-
-
-def _free_memory() -> int:
-    """Bytes free for the prompt cache's default size: the GPU's memory (Metal: its recommended
-    working set) less what MLX holds, weights included; on CPU, or a GPU that reports no size, the
-    system's available RAM."""
-    if _on_gpu():
-        info = mx.device_info()
-        total = (info.get("max_recommended_working_set_size") or info.get("memory_size")
-                 or info.get("total_memory"))  # Metal, Metal, CUDA
-        if total:
-            return int(total) - mx.get_active_memory()
-    return available_memory()
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
