@@ -57,10 +57,6 @@ llama)
     --out /tmp/bench-llama 2>&1 | tail -30
   cp /tmp/bench-llama/results.jsonl "$OUT/llama-results.jsonl"
   cp /tmp/bench-llama/summary.json "$OUT/llama-summary.json"
-  if [ -f benchmarks/prompt_cache.py ]; then
-    python3 benchmarks/prompt_cache.py --engine llama --model "$models/qwen2.5-0.5b.gguf" \
-      --out "$OUT/prompt-cache-llama.json" 2>&1 | tail -20
-  fi
   tail -c 2000 /tmp/bench-llama/logs/*mesh-llama* 2>/dev/null || true
   ;;
 *)
