@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def test_quantize_on_load_keeps_the_logits_close(checkpoints, bits, tolerance):
     from mesh_llm.engines.mlx import MLXEngine
 
-    folder = checkpoints["llama"].folder
+    folder = checkpoints["llama"].path
     source = MLXEngine.load(folder, EngineOptions())
     quantized = MLXEngine.load(folder, EngineOptions(quantize=bits))
     info = quantized.info()
