@@ -26,7 +26,7 @@ def test_quantize_on_load_keeps_the_logits_close(checkpoints, bits, tolerance):
     error = np.linalg.norm(a - b) / np.linalg.norm(a)
     agree = float((a.argmax(1) == b.argmax(1)).mean())
     print(f"\n{bits}-bit: relative logit error {error:.4f}, top-1 agreement {agree:.2%}")
-    assert error < tolerance
+    assert 1e-4 < error < tolerance  # quantizing must change the logits, a little
     assert agree >= (0.9 if bits == 8 else 0.6)
     steps = quantized.generate(tokens, SamplingParams(temperature=0.0))
     assert [next(steps).token for _ in range(4)]  # decodes through the quantized kernels
