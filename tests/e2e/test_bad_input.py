@@ -50,6 +50,8 @@ CASES = [
      "invalid_request_error", "messages"),
     ("prompt over the context", "POST", TEXT, {"model": MODEL, "prompt": "word " * 9000, "max_tokens": 1},
      400, "invalid_request_error", "prompt"),
+    ("prompt fills the context", "POST", TEXT, {"model": MODEL, "prompt": [1] * 8192, "max_tokens": None},
+     400, "invalid_request_error", "prompt"),
     ("completion without prompt", "POST", TEXT, {"model": MODEL}, 400, "invalid_request_error", "prompt"),
     ("token id out of range", "POST", TEXT, {"model": MODEL, "prompt": [1, 2, 10**9]}, 400,
      "invalid_request_error", "prompt"),

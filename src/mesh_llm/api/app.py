@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.errors import APIError, error_response
-from mesh_llm.api.responses import ResponseBuilder
+from mesh_llm.api.responses import GenerationError, ResponseBuilder
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.chat import TemplateError, encode_chat
@@ -129,7 +129,7 @@ async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int]
     context = served.worker.info.context_length
     room = context - len(prompt)
     max_tokens = body.token_limit() or room
-    if len(prompt) + max_tokens > context:
+    if max_tokens < 1 or len(prompt) + max_tokens > context:
         raise APIError(400, f"this model's context is {context} tokens, but the prompt has {len(prompt)} "
                        f"tokens and {max_tokens} more were asked for", param="messages" if kind == "chat"
                        else "prompt", code="context_length_exceeded")
@@ -151,7 +151,9 @@ async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int]
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         return await builder.collect(_until_disconnect(aiter(generation), request, generation.cancel))
-    except RuntimeError as exc:
+    except GenerationError as exc:
+        if exc.rejected:
+            raise APIError(400, str(exc), code="invalid_request") from None
         raise APIError(500, str(exc), code="generation_failed") from None
 
 

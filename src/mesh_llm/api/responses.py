@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 from mesh_llm.runtime.worker import Chunk, TokenLogprob, Usage
 
 
+class GenerationError(Exception):
+    def __init__(self, message: str, rejected: bool):
+        super().__init__(message)
+        self.rejected = rejected
+
+
 def sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                              separators=(",", ":"))
@@ -98,7 +104,7 @@ class ResponseBuilder:
         last = Chunk()
         async for last in chunks:
             if last.error:
-                raise RuntimeError(last.error)
+                raise GenerationError(last.error, last.rejected)
             parts.append(last.text)
             all_logprobs.extend(last.logprobs)
         logprobs = self._logprobs(tuple(all_logprobs))
@@ -113,8 +119,8 @@ class ResponseBuilder:
             yield sse({**self._envelope([first], True), **extra})
         async for chunk in chunks:
             if chunk.error:
-                yield sse({"error": {"message": chunk.error, "type": "server_error", "param": None,
-                                     "code": None}})
+                kind = "invalid_request_error" if chunk.rejected else "server_error"
+                yield sse({"error": {"message": chunk.error, "type": kind, "param": None, "code": None}})
                 break
             if chunk.text or chunk.logprobs:
                 delta = {"content": chunk.text} if self.kind == "chat" else None

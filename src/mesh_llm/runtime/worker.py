@@ -16,10 +16,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from mesh_llm.engines.base import Engine, EngineInfo, SamplingParams, Step, Tokenizer
+from mesh_llm.engines.base import Engine, EngineError, EngineInfo, SamplingParams, Step, Tokenizer
 from mesh_llm.runtime.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger("mesh_llm.worker")
+
+
+class _Rejected(Exception):
+    pass
 
 
 class QueueFull(Exception):
@@ -69,6 +73,7 @@ class Chunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    rejected: bool = False  # the engine refused the request itself (a client error, not a failure)
 
 
 @dataclass
@@ -188,6 +193,9 @@ class ModelWorker:
         started = time.perf_counter()
         try:
             usage, finish = self._generate(job, started)
+        except _Rejected as exc:
+            job.deliver(Chunk(finish_reason="error", error=str(exc), rejected=True))
+            return
         except Exception as exc:  # an engine failure ends this request, never the worker
             log.exception("generation failed on %s", self.name)
             job.deliver(Chunk(finish_reason="error", error=f"generation failed: {exc}"))
@@ -206,7 +214,10 @@ class ModelWorker:
         want_logprobs = req.params.logprobs is not None
         count, cached, first_at = 0, 0, None
         finish = "length"  # the engine ends the stream itself only when the context is full
-        steps = engine.generate(req.prompt, req.params)
+        try:
+            steps = engine.generate(req.prompt, req.params)  # engines check the request here
+        except (ValueError, EngineError) as exc:
+            raise _Rejected(str(exc)) from None
         try:
             for step in steps:
                 if first_at is None:
