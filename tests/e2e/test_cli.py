@@ -73,3 +73,27 @@ def test_models_list_shows_the_default():
     result = mesh("models", "list")
     assert result.returncode == 0, result.stderr
     assert "SmolLM2-135M-Instruct" in result.stdout and "gguf" in result.stdout
+
+
+def test_import_gguf_writes_a_folder_mlx_lm_loads(tmp_path, default_gguf):
+    out = tmp_path / "smol-mlx"
+    result = mesh("models", "import-gguf", str(default_gguf), str(out), timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                                "tokenizer_config.json"}
+    probe = ("import sys; from mesh_llm.engines.mlx_blas import ensure_fast_blas; ensure_fast_blas(); "
+             "import mlx_lm; m, t = mlx_lm.load(sys.argv[1]); print(type(m).__module__)")
+    loaded = subprocess.run([sys.executable, "-c", probe, str(out)], capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0 and "llama" in loaded.stdout, loaded.stderr
+    again = mesh("models", "import-gguf", str(default_gguf), str(out))
+    assert again.returncode == 2 and "exists" in one_error_line(again)
+
+
+def test_import_gguf_of_a_bad_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    result = mesh("models", "import-gguf", str(bad), str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "bad.gguf" in one_error_line(result)
+    assert not (tmp_path / "out").exists()
