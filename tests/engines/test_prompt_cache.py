@@ -164,7 +164,7 @@ def test_the_engines_live_state_wins_unless_an_entry_saves_more():
     assert cache.lookup(doc + [7, 8], live=20) == (None, 20)  # a tie: the live state, no copy
     assert state.resumed == [] and cache.stats()["entries"] == 1
     (tokens, owned), reused = cache.lookup(doc + [1, 2, 3], live=10)
-    assert (reused, owned) == (22, True)
+    assert (tokens, reused, owned) == (doc + [1, 2], 22, True)
     assert cache.lookup([5, 6, 7], live=0) == (None, 0)
     stats = cache.stats()
     assert (stats["hits"], stats["misses"], stats["tokens_reused"]) == (2, 1, 42)
