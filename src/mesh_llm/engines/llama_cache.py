@@ -12,9 +12,10 @@ prompt tokens to compute.
 
 Where a cell sits matters too: attention sums over the cache's cells in slot order, so a restored
 state must put every cell back in the slot it had, and new cells must follow them as they would
-have. A whole-context state does the first (cells go back from slot 0, in order), where a
-one-sequence state (``llama_state_seq_*``) leaves out the cells a sliding window has passed and so
-shifts the rest. For the second, see :func:`restore`.
+have. A one-sequence state (``llama_state_seq_*``) does both, and restoring it touches only its own
+cells; but it leaves out the cells a sliding window has passed, which shifts the rest. So with a
+sliding window states are whole-context ones (every cell, back from slot 0 in order; restoring one
+first zeroes the whole cache), and :func:`restore` keeps new cells after the restored ones.
 """
 
 from __future__ import annotations
@@ -48,34 +49,42 @@ def needs_checkpoints(model: ll.llama_model_p) -> bool:
 
 
 class ContextState:
-    """A copy of a context's memory (KV cells, recurrent state), as ``llama_state_get_data`` writes
-    it. The blob is never written, so a resumed one is handed out as it is, owned or not;
-    :func:`restore` loads it back."""
+    """A copy of sequence 0's memory (KV cells, recurrent state), or with a sliding window of the
+    whole context's. The blob is never written, so a resumed one is handed out as it is, owned or
+    not; :func:`restore` loads it back."""
 
     def __init__(self, ctx: ll.llama_context_p, trimmable: bool):
-        size = ll.llama_state_get_size(ctx)
-        blob = np.empty(size, np.uint8)
-        self.blob = blob[: ll.llama_state_get_data(ctx, _pointer(blob), size)]
-        self.nbytes = blob.nbytes
-        self.trimmable = trimmable
+        if _sliding(ctx):
+            size = ll.llama_state_get_size(ctx)
+            blob = np.empty(size, np.uint8)
+            got = ll.llama_state_get_data(ctx, _pointer(blob), size)
+        else:
+            size = ll.llama_state_seq_get_size(ctx, 0)
+            blob = np.empty(size, np.uint8)
+            got = ll.llama_state_seq_get_data(ctx, _pointer(blob), size, 0)
+        self.blob, self.nbytes, self.trimmable = blob[:got], blob.nbytes, trimmable
 
     def resume(self, n: int, owned: bool) -> np.ndarray:
         return self.blob
 
 
 def restore(ctx: ll.llama_context_p, blob: np.ndarray, n: int) -> bool:
-    """Replace the context's memory with a stored state cut back to its first ``n`` tokens; True
-    when cells were pinned, to :func:`unpin` once the next batch is in.
+    """Replace sequence 0 with a stored state cut back to its first ``n`` tokens; True when cells
+    were pinned, to :func:`unpin` once the next batch is in.
 
     After a whole-context restore llama.cpp looks for free cells from slot 0, and in a sliding-window
     cache it takes the cells of one sequence that the window has passed, where a context that was
-    never restored puts new cells after the last one. So with a sliding window the kept cells are
-    also put in sequence 1 for the next batch: cells of two sequences are never taken."""
-    if ll.llama_state_set_data(ctx, _pointer(blob), blob.nbytes) != blob.nbytes:
+    never restored puts new cells after the last one. So the kept cells are also put in sequence 1
+    for the next batch: cells of two sequences are never taken."""
+    sliding = _sliding(ctx)
+    if sliding:
+        got = ll.llama_state_set_data(ctx, _pointer(blob), blob.nbytes)
+    else:
+        got = ll.llama_state_seq_set_data(ctx, _pointer(blob), blob.nbytes, 0)
+    if got != blob.nbytes:
         raise EngineError("llama.cpp could not restore a cached prompt state")
     memory = ll.llama_get_memory(ctx)
     ll.llama_memory_seq_rm(memory, 0, n, -1)
-    sliding = ll.llama_model_n_swa(ll.llama_get_model(ctx)) > 0
     if sliding:
         ll.llama_memory_seq_cp(memory, 0, 1, 0, n)
     return sliding
@@ -94,6 +103,10 @@ def live_prefix(tokens: list[int], exact: int, prompt: list[int], checkpoints: b
     while keep < n and tokens[keep] == prompt[keep]:
         keep += 1
     return 0 if checkpoints and keep < len(tokens) else keep
+
+
+def _sliding(ctx: ll.llama_context_p) -> bool:
+    return ll.llama_model_n_swa(ll.llama_get_model(ctx)) > 0
 
 
 def _pointer(blob: np.ndarray):
