@@ -456,6 +456,7 @@ class LlamaEngine(Engine):
             self._store_live(live)
             blob, reused = self._prompts.lookup(prompt, live)
             if blob is not None:
+                self._tokens, self._exact = [], 0  # until the restore succeeds
                 pinned = llama_cache.restore(self._ctx, blob, reused)
                 self._tokens = prompt[:reused]
         if not ll.llama_memory_seq_rm(self._memory, 0, reused, -1):

@@ -81,9 +81,10 @@ def restore(ctx: ll.llama_context_p, blob: np.ndarray, n: int) -> bool:
         got = ll.llama_state_set_data(ctx, _pointer(blob), blob.nbytes)
     else:
         got = ll.llama_state_seq_set_data(ctx, _pointer(blob), blob.nbytes, 0)
-    if got != blob.nbytes:
-        raise EngineError("llama.cpp could not restore a cached prompt state")
     memory = ll.llama_get_memory(ctx)
+    if got != blob.nbytes:
+        ll.llama_memory_clear(memory, True)
+        raise EngineError("llama.cpp could not restore a cached prompt state")
     ll.llama_memory_seq_rm(memory, 0, n, -1)
     if sliding:
         ll.llama_memory_seq_cp(memory, 0, 1, 0, n)
