@@ -155,3 +155,26 @@ def test_stats_count_hits_misses_and_reused_tokens():
 @pytest.mark.parametrize("free, expected", [(8 * 2**30, 2 * 2**30), (2**40, DEFAULT_CACHE_CAP), (-5, 0)])
 def test_default_cache_bytes(free, expected):
     assert default_cache_bytes(free) == expected
+
+
+def test_the_engines_live_state_wins_unless_an_entry_saves_more():
+    cache = PromptCache(10_000)
+    doc = list(range(100, 120))
+    state = store(cache, doc + [1, 2])
+    assert cache.lookup(doc + [7, 8], live=20) == (None, 20)  # a tie: the live state, no copy
+    assert state.resumed == [] and cache.stats()["entries"] == 1
+    (tokens, owned), reused = cache.lookup(doc + [1, 2, 3], live=10)
+    assert (tokens, reused, owned) == (doc + [1, 2], 22, True)
+    assert cache.lookup([5, 6, 7], live=0) == (None, 0)
+    stats = cache.stats()
+    assert (stats["hits"], stats["misses"], stats["tokens_reused"]) == (2, 1, 42)
+
+
+def test_recompute_leaves_that_many_prompt_tokens_to_compute():
+    cache = PromptCache(10_000, recompute=2)
+    store(cache, [1, 2, 3, 4])
+    assert cache.lookup([1, 2, 3, 4])[1] == 2  # an exact repeat computes its last two tokens
+    store(cache, [1, 2, 3], trimmable=False)
+    assert cache.lookup([1, 2, 3, 9])[1] == 0  # a checkpoint must leave two to compute
+    assert cache.lookup([1, 2, 3, 9, 9])[1] == 3
+    assert cache.lookup([1, 2]) == (None, 0)

@@ -4,6 +4,11 @@
 (n_ctx x n_vocab floats), silences logs by redirecting the process's stdout/stderr (other threads lose
 their output), and carries a chat layer we never want. The C API it binds gives a sampler chain per
 request (its own seed) and the last position's logits directly.
+
+Prompt cache: the context's own KV is the first candidate (the next turn of a chat copies nothing);
+what a request would cut from it is stored first (``llama_cache.ContextState`` in a ``PromptCache``),
+and a stored state is restored when it shares more of the prompt. ``llama_cache`` says why only
+prefill-computed KV is reused, and why flash attention is off on CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import llama_cpp.llama_cpp as ll
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from mesh_llm.engines import llama_cache
 from mesh_llm.engines.base import (
     Engine,
     EngineError,
@@ -33,6 +39,8 @@ from mesh_llm.engines.base import (
     SamplingParams,
     Step,
 )
+from mesh_llm.engines.llama_cache import RECOMPUTE, ContextState
+from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
 
 log = logging.getLogger(__name__)
 
@@ -310,12 +318,13 @@ def _make_sampler(params: SamplingParams) -> ll.llama_sampler_p:
 
 
 class LlamaEngine(Engine):
-    """A GGUF model in llama.cpp with one context (one sequence) whose KV is reused across requests."""
+    """A GGUF model in llama.cpp with one context (one sequence) and a prompt cache of its states."""
 
     name = "llama"
     formats = frozenset({"gguf"})
 
-    def __init__(self, path: Path, meta: dict, model, ctx, threads: int, gpu_layers: int, n_batch: int):
+    def __init__(self, path: Path, meta: dict, model, ctx, threads: int, gpu_layers: int, n_batch: int,
+                 options: EngineOptions):
         self._path, self._meta, self._model, self._ctx = path, meta, model, ctx
         self._threads, self._gpu_layers, self._n_batch = threads, gpu_layers, n_batch
         self._n_ctx = ll.llama_n_ctx(ctx)
@@ -323,6 +332,10 @@ class LlamaEngine(Engine):
         self._tokenizer = LlamaTokenizer(model)
         self._n_vocab = self._tokenizer.vocab_size
         self._tokens: list[int] = []  # what the context's KV holds, position by position
+        self._exact = 0  # how many of them prefill computed (reusable: decode steps round otherwise)
+        self._checkpoints = llama_cache.needs_checkpoints(model)
+        size = default_cache_bytes(available_memory()) if options.cache_bytes is None else options.cache_bytes
+        self._prompts = PromptCache(size, options.cache_entries, recompute=RECOMPUTE)
         self._active: weakref.ref | None = None  # the running generation, closed by the next one
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
         for i in range(n_batch):
@@ -361,18 +374,19 @@ class LlamaEngine(Engine):
             raise EngineError(f"{path}: llama.cpp cannot load it: {reason}")
         threads = options.threads or _physical_cores()
         n_ctx = options.ctx_size or ll.llama_model_n_ctx_train(model)
-        n_batch = max(1, min(options.prefill_step, n_ctx))
+        n_batch = max(3, min(options.prefill_step, n_ctx))  # batch_ends needs room for two and one
         cparams = ll.llama_context_default_params()
         cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = n_ctx, n_batch, n_batch, 1
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
+        llama_cache.set_cache_params(cparams, model)
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
             ll.llama_model_free(model)
             reason = _NATIVE_LOG.errors[0] if _NATIVE_LOG.errors else "no reason given"
             raise EngineError(f"{path}: llama.cpp cannot create a {n_ctx}-token context: {reason}")
         gpu_layers = ll.llama_model_n_layer(model) if params.n_gpu_layers else 0
-        return cls(path, meta, model, ctx, threads, gpu_layers, n_batch)
+        return cls(path, meta, model, ctx, threads, gpu_layers, n_batch, options)
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -381,6 +395,9 @@ class LlamaEngine(Engine):
     def info(self) -> EngineInfo:
         self._check_open()
         quant = ll.llama_ftype_name(ll.llama_model_ftype(self._model)) or b"unknown"
+        cache = self._prompts
+        details = {"prompt_cache": f"{cache.max_bytes / 1e6:.0f} MB, {cache.max_entries} entries"
+                   + (", checkpoints" if self._checkpoints else "")} if cache.enabled else {}
         return EngineInfo(
             engine=self.name,
             device="gpu" if self._gpu_layers else "cpu",
@@ -395,6 +412,7 @@ class LlamaEngine(Engine):
                 "n_gpu_layers": str(self._gpu_layers),
                 "n_batch": str(self._n_batch),
                 "file": str(self._path),
+                **details,
             },
         )
 
@@ -430,19 +448,43 @@ class LlamaEngine(Engine):
             ll.llama_sampler_free(sampler)
 
     def _prefill(self, prompt: list[int]) -> int:
-        """Evaluate ``prompt``, reusing the KV of its longest common prefix with what the context holds,
-        and return how many tokens were reused. The last prompt token is always evaluated, for fresh
-        logits. The one place that decides reuse, for the prompt cache to replace later."""
-        limit = min(len(self._tokens), len(prompt) - 1)
-        keep = 0
-        while keep < limit and self._tokens[keep] == prompt[keep]:
-            keep += 1
-        if not ll.llama_memory_seq_rm(self._memory, 0, keep, -1):  # recurrent state: no partial removal
-            ll.llama_memory_clear(self._memory, True)
-            keep = 0
-        del self._tokens[keep:]
-        self._decode(prompt[keep:])
-        return keep
+        """Evaluate ``prompt`` from the state that holds most of it (the context's own, or a stored
+        one) and return how many tokens were reused; with the cache off, from an empty context."""
+        reused, pinned = 0, False
+        if self._prompts.enabled:
+            live = llama_cache.live_prefix(self._tokens, self._exact, prompt, self._checkpoints)
+            self._store_live(live)
+            blob, reused = self._prompts.lookup(prompt, live)
+            if blob is not None:
+                self._tokens, self._exact = [], 0  # until the restore succeeds
+                pinned = llama_cache.restore(self._ctx, blob, reused)
+                self._tokens = prompt[:reused]
+        if not ll.llama_memory_seq_rm(self._memory, 0, reused, -1):
+            raise EngineError(f"{self._path}: llama.cpp cannot cut the context back to {reused} tokens")
+        del self._tokens[reused:]
+        self._exact = reused
+        pos, store = reused, self._checkpoints and self._prompts.enabled
+        for end in llama_cache.batch_ends(reused, len(prompt), self._n_batch, self._checkpoints):
+            self._decode(prompt[pos:end])
+            if pinned:
+                llama_cache.unpin(self._memory)
+                pinned = False
+            if end - pos >= 2:
+                self._exact = end
+                if store and (end % self._n_batch == 0 or end == len(prompt) - RECOMPUTE):
+                    self._prompts.insert(prompt[:end], ContextState(self._ctx, trimmable=False))
+            pos = end
+        return reused
+
+    def _store_live(self, keep: int) -> None:
+        """Before the context is cut back to ``keep`` tokens or replaced, store the prefill-computed
+        tokens it would lose (the tokens decode steps added are dropped: see llama_cache)."""
+        if (not self._prompts.enabled or keep >= self._exact
+                or (self._checkpoints and self._exact < len(self._tokens))):
+            return
+        ll.llama_memory_seq_rm(self._memory, 0, self._exact, -1)
+        del self._tokens[self._exact:]
+        self._prompts.insert(self._tokens, ContextState(self._ctx, trimmable=not self._checkpoints))
 
     def _decode(self, tokens: list[int], all_logits: bool = False) -> list[np.ndarray]:
         """Append ``tokens`` to the context in batches, with logits for the last of each batch (or, with
@@ -460,6 +502,7 @@ class LlamaEngine(Engine):
             if rc != 0:  # the KV may hold part of the batch: start the next request from scratch
                 ll.llama_memory_clear(self._memory, True)
                 self._tokens.clear()
+                self._exact = 0
                 raise EngineError(f"{self._path}: llama_decode failed (code {rc}) at position {past}")
             self._tokens.extend(chunk)
             if all_logits:
@@ -474,8 +517,10 @@ class LlamaEngine(Engine):
         ids = [int(t) for t in tokens]
         if not ids or len(ids) > self._n_ctx or min(ids) < 0 or max(ids) >= self._n_vocab:
             raise EngineError(f"score needs 1 to {self._n_ctx} token ids in [0, {self._n_vocab})")
+        self._store_live(0)
         ll.llama_memory_clear(self._memory, True)
         self._tokens.clear()
+        self._exact = 0
         return np.stack(self._decode(ids, all_logits=True)).astype(np.float32)
 
     def _logprobs(self, token: int, n: int | None) -> tuple[float | None, tuple[tuple[int, float], ...]]:
@@ -503,6 +548,10 @@ class LlamaEngine(Engine):
         if not self._close.alive:
             raise EngineError(f"{self._path}: the llama engine is closed")
 
+    def cache_stats(self) -> dict:
+        return self._prompts.stats()
+
     def close(self) -> None:
         self._stop_active()
+        self._prompts.clear()
         self._close()

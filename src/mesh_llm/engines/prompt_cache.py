@@ -12,7 +12,10 @@ prefix with it, among all entries:
   of its tokens are a prefix of the prompt; engines store such states at fixed strides during
   prefill (checkpoints) so that branches still find one.
 
-At least one prompt token is always left to compute, so that there are logits to sample from.
+At least one prompt token is always left to compute, so that there are logits to sample from
+(``recompute``: llama.cpp leaves two, see ``engines/llama.py``). An engine whose live state already
+holds part of the prompt passes that length to :meth:`PromptCache.lookup`, which resumes a stored
+state only when it saves more, so that the common case (the next turn of a chat) copies nothing.
 Memory is bounded by an LRU over the bytes the stored states really occupy, and an entry count.
 
 The cache never looks inside a state: an engine stores objects that follow :class:`CacheState`.
@@ -54,8 +57,9 @@ class _Entry:
 class PromptCache:
     """Stored states keyed by their token ids: longest-prefix lookup, LRU eviction by bytes."""
 
-    def __init__(self, max_bytes: int, max_entries: int = 64):
+    def __init__(self, max_bytes: int, max_entries: int = 64, recompute: int = 1):
         self.max_bytes, self.max_entries = max(0, int(max_bytes)), max(0, int(max_entries))
+        self.recompute = max(1, int(recompute))  # trailing prompt tokens a lookup leaves to compute
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_id = 0
         self._lock = threading.Lock()
@@ -65,14 +69,20 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0 and self.max_entries > 0
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[Any, int]:
-        """``(live state, tokens it holds)`` for the best entry, or ``(None, 0)`` on a miss."""
+    def lookup(self, prompt: Sequence[int], live: int = 0) -> tuple[Any, int]:
+        """``(live state, tokens it holds)`` for the best entry, or ``(None, 0)`` on a miss.
+        ``live``: how many leading prompt tokens the engine's own live state holds and can keep;
+        an entry is resumed only if it saves more, else the answer is ``(None, live)``."""
         query = np.asarray(prompt, dtype=np.int32)
         with self._lock:
-            best = self._best(query) if self._entries and len(query) > 1 else None
-            if best is None:
-                self._misses += 1
-                return None, 0
+            best = self._best(query) if self._entries and len(query) > self.recompute else None
+            if best is None or best[1] <= live:
+                if live > 0:
+                    self._hits += 1
+                    self._reused += live
+                else:
+                    self._misses += 1
+                return None, max(live, 0)
             key, reuse, owned = best
             entry = self._entries[key]
             if owned:
@@ -135,9 +145,9 @@ class PromptCache:
         for i, (key, entry, c) in enumerate(zip(keys, entries, common)):
             whole = c == len(entry.tokens)  # the entry is a prefix of the prompt
             if entry.trimmable:
-                reuse = min(int(c), len(query) - 1)
+                reuse = min(int(c), len(query) - self.recompute)
             else:
-                reuse = int(c) if whole and c < len(query) else 0
+                reuse = int(c) if whole and c <= len(query) - self.recompute else 0
             rank = (reuse, whole and entry.trimmable, i)
             if reuse > 0 and (best_rank is None or rank > best_rank):
                 best, best_rank = (key, reuse, whole and entry.trimmable), rank
