@@ -13,6 +13,10 @@ LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_CMAKE_ARGS := $(shell $(PYTHON) tools/llama_cmake_args.py)
 WHEELS := $(HOME)/.cache/mesh-llm/wheels/$(shell echo "$(LLAMA_CPP_VERSION) $(LLAMA_CMAKE_ARGS)" | md5sum | cut -c1-12)
 
+# Vocab-only GGUFs from llama.cpp's test data (in the llama-cpp-python sdist): tokenizer tests for
+# qwen2, llama-bpe, llama-spm, ... run against them.
+VOCABS := $(HOME)/.cache/mesh-llm/vocabs/$(LLAMA_CPP_VERSION)
+
 .PHONY: install serve test clean
 
 install: $(STAMP)
@@ -31,8 +35,15 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/mesh-llm serve $(ARGS)
 
-test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+$(VOCABS)/.done:
+	rm -rf $(VOCABS).tmp && mkdir -p $(VOCABS).tmp
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VOCABS).tmp llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar xzf $(VOCABS).tmp/llama_cpp_python-*.tar.gz -C $(VOCABS).tmp --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*'
+	rm -rf $(VOCABS) && mkdir -p $(VOCABS) && mv $(VOCABS).tmp/*/vendor/llama.cpp/models/ggml-vocab-* $(VOCABS)/
+	rm -rf $(VOCABS).tmp && touch $@
+
+test: install $(VOCABS)/.done
+	MESH_LLM_GGUF_VOCABS=$(VOCABS) $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
