@@ -65,3 +65,19 @@ def start_server(args: list[str], log: Path, env: dict | None = None, timeout: f
         time.sleep(0.2)
     server.stop()
     pytest.fail(f"server not healthy after {timeout}s:\n{server.output()}")
+
+
+def run_until_eos(engine, prompt, limit=40) -> tuple[list[int], int]:
+    """Greedy answer without its end-of-turn token, and the first step's cached_tokens."""
+    from mesh_llm.engines.base import SamplingParams
+
+    gen = engine.generate(prompt, SamplingParams(temperature=0.0))
+    tokens, cached = [], None
+    for step in gen:
+        cached = step.cached_tokens if cached is None else cached
+        if step.token in engine.tokenizer.eos_token_ids:
+            break
+        tokens.append(step.token)
+        assert len(tokens) < limit, "no end-of-turn token"
+    gen.close()
+    return tokens, cached

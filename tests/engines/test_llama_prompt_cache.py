@@ -22,6 +22,7 @@ pytest.importorskip("llama_cpp")
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 from mesh_llm.engines.llama import LlamaEngine
 from mesh_llm.engines.llama_cache import RECOMPUTE, batch_ends
+from support import run_until_eos
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
 from tiny_gguf import write_tiny_gguf
@@ -213,16 +214,3 @@ def test_default_model_chat_turns_reuse_the_previous_prompt(pair):
     assert reused == len(prompt)
     assert second == run_until_eos(plain, follow)[0]
 
-
-def run_until_eos(engine, prompt, limit=40) -> tuple[list[int], int]:
-    """The answer without its end-of-turn token, and cached_tokens."""
-    gen = engine.generate(prompt, GREEDY)
-    answer, cached = [], None
-    for step in gen:
-        cached = step.cached_tokens if cached is None else cached
-        if step.token in engine.tokenizer.eos_token_ids:
-            break
-        answer.append(step.token)
-        assert len(answer) < limit, "no end-of-turn token"
-    gen.close()
-    return answer, cached

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
 from mesh_llm.engines.hf_tokenizer import HFTokenizer
+from support import run_until_eos
 
 GREEDY = SamplingParams(temperature=0)
 STEP = 4  # prefill chunks, and so checkpoints, every 4 tokens
@@ -246,16 +247,3 @@ def test_default_model_chat_turns_reuse_the_whole_conversation():
     finally:
         cached.close()
 
-
-def run_until_eos(engine, prompt, limit=40) -> tuple[list[int], int]:
-    """The answer without its end-of-turn token, and cached_tokens."""
-    gen = engine.generate(prompt, GREEDY)
-    tokens, cached = [], None
-    for step in gen:
-        cached = step.cached_tokens if cached is None else cached
-        if step.token in engine.tokenizer.eos_token_ids:
-            break
-        tokens.append(step.token)
-        assert len(tokens) < limit, "no end-of-turn token"
-    gen.close()
-    return tokens, cached
