@@ -118,7 +118,6 @@ class ModelWorker:
         self.load_error: BaseException | None = None
         self.info: EngineInfo | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
-        self._busy_since: float | None = None
         self._avg_job_s = 1.0
 
     # -- lifecycle -------------------------------------------------------------------------------
