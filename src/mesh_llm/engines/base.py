@@ -1,12 +1,15 @@
 """The one narrow interface every engine implements, in token ids and arrays, never HTTP types.
 
-An engine owns a loaded model and its tokenizer and turns prompt token ids into a stream of sampled
-token ids. Everything request-shaped (chat templates, stop strings, max_tokens, EOS, detokenizing,
-queueing) lives above it in ``mesh_llm.runtime``, so a new engine is one new file that subclasses
-:class:`Engine` and registers itself in ``mesh_llm.engines``.
+An engine owns a loaded model and its tokenizer and decodes many sequences together (continuous
+batching): :meth:`Engine.add` queues a sequence, :meth:`Engine.step` runs one forward pass over every
+sequence it holds (a bounded chunk of prompt for those still reading it, one token for each decoding
+one) and returns the tokens it sampled, and :meth:`Engine.remove` ends a sequence, offering its state
+to the prompt cache. Everything request-shaped (chat templates, stop strings, max_tokens, EOS,
+detokenizing, admission, queueing) lives above it in ``mesh_llm.runtime``, so a new engine is one new
+file that subclasses :class:`Engine` and registers itself in ``mesh_llm.engines``.
 
 Engines are not thread-safe: the runtime creates, uses and closes each one on a single worker thread
-(MLX arrays and streams must stay on the thread that made them).
+(MLX arrays and streams must stay on the thread that made them). Tokenizers are the exception.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ class EngineUnavailable(EngineError):
     """The engine's optional dependency is not installed; the message names the pip extra to install."""
 
 
+class NoCapacity(Exception):
+    """:meth:`Engine.add` cannot take the sequence now (every slot or the memory for its tokens is in
+    use); the runtime keeps it waiting and tries again once a sequence has been removed. An engine
+    that holds no sequence raises :class:`EngineError` instead for one that will never fit."""
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How to load a model; every field has a default that suits the machine it runs on."""
@@ -38,6 +47,21 @@ class EngineOptions:
     prefill_step: int = 512  # prompt tokens evaluated per forward pass during prefill
     cache_bytes: int | None = None  # prompt cache budget; None: from free memory at load; 0: off
     cache_entries: int = 64  # most states the prompt cache keeps
+    max_batch: int | None = None  # sequences decoded together; None: chosen from device and memory
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    """Limits which tokens one sequence may sample (a JSON schema, a tool call's grammar). The engine
+    asks for the mask before sampling each of the sequence's tokens and reports the token it chose."""
+
+    def mask(self) -> np.ndarray | None:
+        """Allowed next tokens: a bool array over the tokenizer's vocabulary, or None for any token."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The sequence sampled ``token``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0: disabled
     seed: int | None = None
     logprobs: int | None = None
+    constraint: Constraint | None = field(default=None, compare=False)  # per sequence, stateful
 
 
 @dataclass(frozen=True)
@@ -106,7 +131,8 @@ class Tokenizer(Protocol):
 
 
 class Engine(abc.ABC):
-    """A loaded model. Subclasses set ``name`` and implement the abstract methods."""
+    """A loaded model serving up to ``max_batch`` sequences at once. Subclasses set ``name`` and
+    ``formats``, and implement the abstract methods."""
 
     name: ClassVar[str]
     formats: ClassVar[frozenset[str]]  # model formats it loads: "safetensors", "gguf"
@@ -124,19 +150,74 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def info(self) -> EngineInfo: ...
 
+    @property
     @abc.abstractmethod
-    def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[Step]:
-        """Prefill ``prompt`` and yield sampled tokens until the context is full.
+    def max_batch(self) -> int:
+        """The most sequences :meth:`step` holds at once (``EngineOptions.max_batch``, or what the
+        device and memory allow)."""
 
-        The caller decides when to stop (max_tokens, EOS, stop strings, a client gone) and cancels by
-        closing the iterator, which frees the engine at once for the next generation. Only one
-        generation runs at a time: starting another closes any previous one.
+    @abc.abstractmethod
+    def add(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
+        """Take sequence ``seq`` (an id unique among those held): check it now, compute nothing yet.
+
+        Raises ``ValueError`` or :class:`EngineError` for a request the engine cannot serve (an
+        empty or over-long prompt, ids outside the vocabulary, a bad sampling parameter), and
+        :class:`NoCapacity` when it could serve it later. ``max_tokens`` is the most tokens the
+        runtime will ask of it (``len(prompt) + max_tokens`` never exceeds the context); an engine
+        may reserve memory for them.
         """
+
+    @abc.abstractmethod
+    def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
+        """One forward pass over every sequence held: the next chunk of prompt for sequences still
+        reading theirs (at most ``prefill_budget`` prompt tokens in all, each sequence's chunk at
+        most the engine's ``EngineOptions.prefill_step``; some progress whenever one is waiting),
+        one token for each decoding sequence. Returns ``(seq, step)`` for each sequence that
+        sampled a token, its first token once its prompt is read.
+
+        A sequence goes on decoding until :meth:`remove`; the runtime stops it at its
+        ``max_tokens`` at the latest. An engine that fails mid-step raises :class:`EngineError`
+        after dropping every sequence it held.
+        """
+
+    @abc.abstractmethod
+    def remove(self, seq: int) -> None:
+        """End sequence ``seq`` (finished or cancelled, at any point, prompt half read included) and
+        free its slot; its state goes to the prompt cache. Unknown ids are ignored."""
 
     @abc.abstractmethod
     def score(self, tokens: Sequence[int]) -> np.ndarray:
         """Float32 logits, shape (len(tokens), vocab): what the model predicts after each prefix of
-        ``tokens``, in one pass (teacher forcing: parity checks, prompt logprobs)."""
+        ``tokens``, in one pass (teacher forcing: parity checks, prompt logprobs). Only while no
+        sequence is held."""
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams,
+                 max_tokens: int | None = None) -> Iterator[Step]:
+        """One sequence alone, for tests, parity checks and raw benchmarks: check it now (errors
+        raise here), then yield its tokens until ``max_tokens`` (default: until the context is
+        full). Closing the iterator removes it; only one such generation runs at a time."""
+        if self._solo is not None:
+            self._solo.close()
+        context = self.info().context_length
+        room = context - len(prompt)
+        limit = room if max_tokens is None else min(max_tokens, room)
+        self.add(_SOLO, prompt, params, max(1, limit))
+        self._solo = self._run_solo(limit, context)
+        return self._solo
+
+    _solo: Iterator[Step] | None = None
+
+    def _run_solo(self, limit: int, budget: int) -> Iterator[Step]:
+        try:
+            produced = 0
+            while produced < limit:
+                for seq, step in self.step(budget):
+                    if seq == _SOLO:
+                        produced += 1
+                        yield step
+        finally:
+            self.remove(_SOLO)
+            self._solo = None
 
     def cache_stats(self) -> dict:
         """The prompt cache's counters (``PromptCache.stats``); {} without one. Any thread may call."""
@@ -144,3 +225,6 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model's memory."""
+
+
+_SOLO = -1  # the sequence id :meth:`Engine.generate` uses
