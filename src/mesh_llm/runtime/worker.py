@@ -119,6 +119,7 @@ class ModelWorker:
         self.info: EngineInfo | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
         self._avg_job_s = 1.0
+        self._serving = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -141,6 +142,11 @@ class ModelWorker:
     def cache_stats(self) -> dict:
         """The engine's prompt-cache counters ({} while loading); safe from any thread."""
         return self._engine.cache_stats() if self.ready else {}
+
+    def load(self) -> dict[str, int]:
+        """How busy the model is, for routing: sequences being generated, requests waiting for a
+        slot, and the most sequences it decodes at once. Safe from any thread."""
+        return {"active": self._serving, "waiting": self._queue.qsize(), "max_batch": 1}
 
     def stop(self, timeout: float = 30) -> None:
         """Finish the running generation, drop waiting ones, close the engine."""
@@ -184,7 +190,9 @@ class ModelWorker:
         try:
             while (job := self._queue.get()) is not None:
                 if not job.cancelled.is_set():
+                    self._serving = 1
                     self._serve(job)
+                    self._serving = 0
         finally:
             self._engine.close()
 
