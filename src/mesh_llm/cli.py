@@ -84,6 +84,8 @@ def serve(
     alias: list[str] = typer.Option([], help="Id to serve each --model under, in order."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: physical cores)."),
     max_queue: int = typer.Option(64, help="Requests that may wait per model before 429."),
+    max_batch: Optional[int] = typer.Option(None, help="Sequences decoded together per model "
+                                            "(default: chosen from the device and its memory)."),
     cache_bytes: Optional[str] = typer.Option(None, help="Prompt cache size per model: bytes, or "
                                               "512M, 2G; 0 turns it off. Default: a quarter of the "
                                               "memory free after loading, at most 16G."),
@@ -99,6 +101,8 @@ def serve(
         raise fail(f"--engine must be auto, mlx or llama, not {engine!r}")
     if quantize not in (None, 4, 8):
         raise fail("--quantize must be 4 or 8")
+    if max_batch is not None and max_batch < 1:
+        raise fail("--max-batch must be at least 1")
     try:
         cache_size = None if cache_bytes is None else parse_bytes(cache_bytes)
     except ValueError:
@@ -106,7 +110,8 @@ def serve(
             from None
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
-                         max_queue=max_queue, cache_bytes=cache_size, cache_entries=cache_entries)
+                         max_queue=max_queue, max_batch=max_batch, cache_bytes=cache_size,
+                         cache_entries=cache_entries)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
     except StartupError as exc:

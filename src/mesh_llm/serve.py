@@ -36,6 +36,7 @@ class ServeConfig:
     quantize: int | None = None
     threads: int | None = None
     max_queue: int = 64
+    max_batch: int | None = None  # sequences decoded together; None: the engine's choice
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
     cache_entries: int = 64
@@ -90,13 +91,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
     options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads,
-                            cache_bytes=config.cache_bytes, cache_entries=config.cache_entries)
+                            cache_bytes=config.cache_bytes, cache_entries=config.cache_entries,
+                            max_batch=config.max_batch)
     workers = []
     for plan in plans:
         cls = engine_class(plan.engine)
         progress = progress_factory(plan) if progress_factory else None
         worker = ModelWorker(plan.id, lambda cls=cls, plan=plan, progress=progress:
-                             cls.load(plan.path, options, progress), max_queue=config.max_queue)
+                             cls.load(plan.path, options, progress), max_queue=config.max_queue,
+                             prefill_budget=options.prefill_step)
         worker.start()
         workers.append(worker)
     return workers
@@ -122,8 +125,9 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
                 server.should_exit = True
                 return
             info = worker.info
-            log.info("ready: %s on %s (%s, %s), context %d, %.0f MB: %s", plan.id, info.engine,
-                     info.device, info.backend, info.context_length, info.memory_bytes / 1e6, plan.reason)
+            log.info("ready: %s on %s (%s, %s), context %d, batch %d, %.0f MB: %s", plan.id,
+                     info.engine, info.device, info.backend, info.context_length,
+                     worker.load()["max_batch"], info.memory_bytes / 1e6, plan.reason)
         log.info("serving on http://%s:%d/v1", config.host, config.port)
 
     threading.Thread(target=watch, name="startup-watch", daemon=True).start()

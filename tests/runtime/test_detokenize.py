@@ -81,3 +81,13 @@ def test_text_held_for_a_possible_stop_string_is_released(tokenizer):
     deltas, detok = run(tokenizer, ids, stop=["three four"])
     assert "".join(deltas) == "one two three" and not detok.stopped
     assert deltas[-1].endswith("three")  # held back until the end proved it was no stop string
+
+
+def test_a_run_of_invalid_bytes_is_released_not_held_forever(tokenizer):
+    # a lone UTF-8 continuation byte never completes a character: waiting for more would grow the
+    # decode window (and its cost) with every such token
+    lone = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")
+    deltas, _ = run(tokenizer, [lone] * 40)
+    released_before_flush = "".join(deltas[:-1])
+    assert released_before_flush.count("\ufffd") >= 30
+    assert "".join(deltas) == tokenizer.decode([lone] * 40)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.errors import APIError, error_response
@@ -19,7 +19,7 @@ from mesh_llm.api.responses import GenerationError, ResponseBuilder
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.chat import TemplateError, encode_chat
-from mesh_llm.runtime.worker import Chunk, GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
+from mesh_llm.runtime.worker import GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
 
 log = logging.getLogger("mesh_llm.api")
 
@@ -86,8 +86,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in body.messages]
-        try:
-            prompt = encode_chat(served.worker.tokenizer, messages)
+        try:  # off the event loop: a long prompt must not stall other clients' streams
+            prompt = await run_in_threadpool(encode_chat, served.worker.tokenizer, messages)
         except TemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -102,7 +102,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = served.worker.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = await run_in_threadpool(served.worker.tokenizer.encode, prompt, True)
         else:
             ids = list(prompt)
             vocab = served.worker.tokenizer.vocab_size
@@ -147,33 +147,45 @@ async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     builder = ResponseBuilder(kind, served.id, logprobs is not None, include_usage)
     if body.stream:
-        return StreamingResponse(builder.stream(aiter(generation)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _GenerationStream(builder.stream(aiter(generation)), generation.cancel)
+    collect = asyncio.ensure_future(builder.collect(aiter(generation)))
+    left = asyncio.ensure_future(_disconnected(request))
     try:
-        return await builder.collect(_until_disconnect(aiter(generation), request, generation.cancel))
+        await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():  # the client left: nobody will read the answer
+            return Response(status_code=499)
+        return collect.result()
     except GenerationError as exc:
         if exc.rejected:
             raise APIError(400, str(exc), code="invalid_request") from None
         raise APIError(500, str(exc), code="generation_failed") from None
+    finally:
+        for task in (collect, left):
+            task.cancel()
+        generation.cancel()  # frees the slot at once if it is still generating
 
 
-async def _until_disconnect(chunks: AsyncIterator[Chunk], request: Request, cancel) -> AsyncIterator[Chunk]:
-    """Pass chunks on, but cancel the generation if the client of a non-streamed request leaves."""
-    while True:
-        pending = asyncio.ensure_future(anext(chunks))
-        while not pending.done():
-            done, _ = await asyncio.wait({pending}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                pending.cancel()
-                cancel()
-                return
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes its connection. The body has been read, so the next ASGI
+    message is the disconnect (event-driven: no polling between tokens)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _GenerationStream(StreamingResponse):
+    """Server-sent events of one generation that is cancelled however the response ends: finished,
+    client gone, or gone before the stream started (then the body iterator never runs)."""
+
+    def __init__(self, content, cancel):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cancel = cancel
+
+    async def __call__(self, scope, receive, send):
         try:
-            chunk = pending.result()
-        except StopAsyncIteration:
-            return
-        yield chunk
-        if chunk.finish_reason is not None:
-            return
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cancel()
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -14,6 +14,10 @@ from mesh_llm.engines.base import Tokenizer
 
 _CONTEXT = 4  # prompt tokens kept as left context so the first generated token decodes as in place
 _REPLACEMENT = "\ufffd"
+# A UTF-8 character spans at most 4 bytes (and a token may end with part of the next one): past 8
+# tokens, a trailing U+FFFD is an invalid byte sequence, not an unfinished one, and is released as
+# it is, so the window stays bounded.
+_MAX_PENDING = 8
 
 
 class IncrementalDetokenizer:
@@ -33,7 +37,8 @@ class IncrementalDetokenizer:
         self._ids.append(token)
         before = self._tokenizer.decode(self._ids[self._prefix:self._read])
         after = self._tokenizer.decode(self._ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+        pending = len(self._ids) - self._read
+        if (len(after) <= len(before) or after.endswith(_REPLACEMENT)) and pending < _MAX_PENDING:
             return ""  # an incomplete character: wait for the bytes that finish it
         self._prefix, self._read = self._read, len(self._ids)
         return self._release(after[len(before):])

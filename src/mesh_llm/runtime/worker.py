@@ -1,29 +1,41 @@
-"""One thread per model that owns its engine: every MLX object stays on that thread, and the device
-is used by one generation at a time. Requests wait in a bounded queue; results flow back as chunks.
+"""One thread per model that owns its engine and schedules its sequences (continuous batching).
 
-The worker, not the engine, decides when a generation ends (max_tokens, EOS, stop strings, a client
-gone), so every engine behaves the same. The scheduling loop is written around an ``active`` set so
-that continuous batching can later decode several sequences per step without changing callers.
+Every MLX object stays on that thread. Requests wait in a bounded queue; the thread admits them into
+the engine while it has room (``Engine.max_batch``, or ``NoCapacity`` when its memory is short), runs
+one engine step at a time over all of them, and ends each sequence on its own stop conditions
+(max_tokens, EOS, stop strings, a client gone). Prefill is bounded per step (``prefill_budget``
+prompt tokens) so that running streams keep flowing while a newcomer's long prompt is read.
+
+The worker, not the engine, decides when a generation ends, so every engine behaves the same.
+Results flow back as :class:`Chunk` objects through each request's ``deliver`` callback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from mesh_llm.engines.base import Engine, EngineError, EngineInfo, SamplingParams, Step, Tokenizer
+from mesh_llm.engines.base import (
+    Engine,
+    EngineError,
+    EngineInfo,
+    NoCapacity,
+    SamplingParams,
+    Step,
+    Tokenizer,
+)
 from mesh_llm.runtime.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger("mesh_llm.worker")
 
-
-class _Rejected(Exception):
-    pass
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class QueueFull(Exception):
@@ -35,7 +47,7 @@ class QueueFull(Exception):
 
 
 class WorkerNotReady(Exception):
-    """The model is still loading, or failed to load."""
+    """The model is still loading, failed to load, or its worker has stopped."""
 
 
 @dataclass(frozen=True)
@@ -81,11 +93,31 @@ class _Job:
     request: GenerationRequest
     deliver: Callable[[Chunk], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class _Sequence:
+    """A job admitted into the engine: its detokenizer and counters."""
+
+    def __init__(self, job: _Job, tokenizer: Tokenizer):
+        req = job.request
+        self.job = job
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt, req.stop)
+        self.eos = frozenset() if req.ignore_eos else tokenizer.eos_token_ids
+        self.count = 0
+        self.cached = 0
+        self.first_at: float | None = None
+
+    def usage(self, now: float) -> Usage:
+        first = self.first_at or now
+        decode_tps = (self.count - 1) / (now - first) if self.count > 1 and now > first else 0.0
+        return Usage(len(self.job.request.prompt), self.count, self.cached, first - self.job.submitted,
+                     decode_tps)
 
 
 class Generation:
     """The chunks of one queued generation, for asyncio callers. ``cancel()`` (or leaving the loop
-    early, as when a client goes away) frees the worker within one token."""
+    early, as when a client goes away) frees its slot at the worker's next step."""
 
     def __init__(self, worker: ModelWorker, request: GenerationRequest):
         loop = asyncio.get_running_loop()
@@ -107,19 +139,26 @@ class Generation:
 
 
 class ModelWorker:
-    """Loads an engine on its own thread and serves generations from a bounded queue."""
+    """Loads an engine on its own thread and serves generations from a bounded queue, batched."""
 
-    def __init__(self, name: str, load: Callable[[], Engine], max_queue: int = 64):
+    def __init__(self, name: str, load: Callable[[], Engine], max_queue: int = 64,
+                 prefill_budget: int = 512):
         self.name = name
         self._load = load
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
+        self._prefill_budget = max(1, prefill_budget)
         self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # set when a job is queued or the worker must stop
         self._engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.info: EngineInfo | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
+        self._pending: deque[_Job] = deque()  # taken from the queue, waiting for engine room
+        self._active: dict[int, _Sequence] = {}
+        self._ids = itertools.count()
         self._avg_job_s = 1.0
-        self._serving = 0
+        self._alive = False
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -131,7 +170,7 @@ class ModelWorker:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._engine is not None
+        return self._ready.is_set() and self._alive
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -144,33 +183,39 @@ class ModelWorker:
         return self._engine.cache_stats() if self.ready else {}
 
     def load(self) -> dict[str, int]:
-        """How busy the model is, for routing: sequences being generated, requests waiting for a
+        """How busy the model is, for routing: sequences in the engine, requests waiting for a
         slot, and the most sequences it decodes at once. Safe from any thread."""
-        return {"active": self._serving, "waiting": self._queue.qsize(), "max_batch": 1}
+        engine = self._engine if self.ready else None
+        return {"active": len(self._active), "waiting": self._queue.qsize() + len(self._pending),
+                "max_batch": engine.max_batch if engine is not None else 0}
 
     def stop(self, timeout: float = 30) -> None:
-        """Finish the running generation, drop waiting ones, close the engine."""
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._queue.put(None)
-        self._thread.join(timeout)
+        """End every generation (running ones and waiting ones are answered with an error chunk),
+        then close the engine."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     # -- requests --------------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, deliver: Callable[[Chunk], None]) -> Callable[[], None]:
         """Queue a generation; returns a function that cancels it. ``deliver`` is called on the
         worker thread for every chunk. Raises :class:`QueueFull` when the wait queue is full."""
-        if not self.ready:
+        if not self.ready or self._stopping.is_set():
             raise WorkerNotReady(f"model {self.name!r} is not loaded")
         job = _Job(request, deliver)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             raise QueueFull(retry_after=max(1, round(self._avg_job_s))) from None
-        return job.cancelled.set
+        self._wake.set()
+
+        def cancel() -> None:
+            job.cancelled.set()
+            self._wake.set()
+
+        return cancel
 
     def open(self, request: GenerationRequest) -> Generation:
         """Queue a generation for an asyncio caller (raises :class:`QueueFull` at once)."""
@@ -186,80 +231,148 @@ class ModelWorker:
             self.load_error = exc
             self._ready.set()
             return
+        self._alive = True
         self._ready.set()
         try:
-            while (job := self._queue.get()) is not None:
-                if not job.cancelled.is_set():
-                    self._serving = 1
-                    self._serve(job)
-                    self._serving = 0
+            while not self._stopping.is_set():
+                self._drop_cancelled()
+                self._admit()
+                if not self._active:
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException:  # a bug in the scheduler itself: fail loudly, never hang clients
+            log.exception("worker %s stopped", self.name)
         finally:
-            self._engine.close()
+            self._alive = False
+            self._shutdown()
 
-    def _serve(self, job: _Job) -> None:
-        started = time.perf_counter()
+    def _admit(self) -> None:
+        """Move waiting jobs into the engine while it has room; a job the engine cannot take yet
+        stays first in line (later ones wait behind it, so a long prompt is not starved)."""
+        engine = self._engine
+        while len(self._active) < engine.max_batch:
+            if not self._pending:
+                try:
+                    self._pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    return
+            job = self._pending[0]
+            if job.cancelled.is_set():
+                self._pending.popleft()
+                continue
+            seq = next(self._ids)
+            req = job.request
+            try:
+                engine.add(seq, req.prompt, req.params, req.max_tokens)
+            except NoCapacity:
+                return
+            except (ValueError, EngineError) as exc:
+                self._pending.popleft()
+                self._send(job, Chunk(finish_reason="error", error=str(exc), rejected=True))
+                continue
+            except Exception as exc:  # an engine bug: this request fails, the worker goes on
+                log.exception("%s: add failed", self.name)
+                self._pending.popleft()
+                self._send(job, Chunk(finish_reason="error", error=f"generation failed: {exc}"))
+                continue
+            self._pending.popleft()
+            self._active[seq] = _Sequence(job, engine.tokenizer)
+
+    def _step(self) -> None:
+        decoding = any(s.first_at is not None for s in self._active.values())
+        # With streams running, read at most one prefill chunk's worth of prompt per step (they
+        # wait for it); with none, newcomers' prompts go in larger steps.
+        budget = self._prefill_budget if decoding else 4 * self._prefill_budget
         try:
-            usage, finish = self._generate(job, started)
-        except _Rejected as exc:
-            job.deliver(Chunk(finish_reason="error", error=str(exc), rejected=True))
+            outputs = self._engine.step(budget)
+        except Exception as exc:  # the engine dropped every sequence (base.Engine.step)
+            log.exception("%s: engine step failed", self.name)
+            failed, self._active = self._active, {}
+            for s in failed.values():
+                self._send(s.job, Chunk(finish_reason="error", error=f"generation failed: {exc}"))
             return
-        except Exception as exc:  # an engine failure ends this request, never the worker
-            log.exception("generation failed on %s", self.name)
-            job.deliver(Chunk(finish_reason="error", error=f"generation failed: {exc}"))
-            return
-        elapsed = time.perf_counter() - started
-        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * elapsed
+        now = time.perf_counter()
+        for seq, step in outputs:
+            sequence = self._active.get(seq)
+            if sequence is not None:
+                finish = self._advance(sequence, step, now)
+                if finish is not None:
+                    self._finish(seq, finish, now)
+
+    def _advance(self, s: _Sequence, step: Step, now: float) -> str | None:
+        """Take one sampled token; returns a finish reason once the sequence is done."""
+        if s.first_at is None:
+            s.first_at, s.cached = now, step.cached_tokens
+        if s.job.cancelled.is_set():
+            return "cancelled"
+        s.count += 1
+        if step.token in s.eos:
+            return "stop"
+        text = s.detok.add(step.token)
+        logprobs = ()
+        if s.job.request.params.logprobs is not None:
+            logprobs = (_logprob(self._engine.tokenizer, step),)
+        if text or logprobs:
+            self._send(s.job, Chunk(text=text, logprobs=logprobs))
+        if s.detok.stopped:
+            return "stop"
+        if s.count >= s.job.request.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: int, finish: str, now: float) -> None:
+        s = self._active.pop(seq)
+        try:
+            self._engine.remove(seq)
+        except Exception:  # the sequence is over either way
+            log.exception("%s: remove failed", self.name)
+        usage = s.usage(now)
+        if finish != "cancelled":
+            self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage))
+        elapsed = now - s.job.submitted
+        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * elapsed / max(1, self._engine.max_batch)
         log.info("%s prompt=%d cached=%d completion=%d ttft=%.3fs decode=%.1f tok/s finish=%s",
                  self.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
                  usage.ttft_s, usage.decode_tps, finish)
 
-    def _generate(self, job: _Job, started: float) -> tuple[Usage, str]:
-        req, engine = job.request, self._engine
-        tokenizer = engine.tokenizer
-        detok = IncrementalDetokenizer(tokenizer, req.prompt, req.stop)
-        eos = frozenset() if req.ignore_eos else tokenizer.eos_token_ids
-        want_logprobs = req.params.logprobs is not None
-        count, cached, first_at = 0, 0, None
-        finish = "length"  # the engine ends the stream itself only when the context is full
-        try:
-            steps = engine.generate(req.prompt, req.params)  # engines check the request here
-        except (ValueError, EngineError) as exc:
-            raise _Rejected(str(exc)) from None
-        try:
-            for step in steps:
-                if first_at is None:
-                    first_at, cached = time.perf_counter(), step.cached_tokens
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                count += 1
-                if step.token in eos:
-                    finish = "stop"
-                    break
-                text = detok.add(step.token)
-                logprobs = (self._logprob(tokenizer, step),) if want_logprobs else ()
-                if detok.stopped:
-                    finish = "stop"
-                if text or logprobs:
-                    job.deliver(Chunk(text=text, logprobs=logprobs))
-                if detok.stopped:
-                    break
-                if count >= req.max_tokens:
-                    break
-        finally:
-            steps.close()
+    def _drop_cancelled(self) -> None:
+        """Free the slots of clients that left, prompt half read or not, before the next step."""
         now = time.perf_counter()
-        first_at = first_at or now
-        decode_tps = (count - 1) / (now - first_at) if count > 1 and now > first_at else 0.0
-        usage = Usage(len(req.prompt), count, cached, first_at - started, decode_tps)
-        if finish != "cancelled":
-            job.deliver(Chunk(text=detok.flush(), finish_reason=finish, usage=usage))
-        return usage, finish
+        for seq in [seq for seq, s in self._active.items() if s.job.cancelled.is_set()]:
+            self._finish(seq, "cancelled", now)
 
-    @staticmethod
-    def _logprob(tokenizer: Tokenizer, step: Step) -> TokenLogprob:
-        return TokenLogprob(
-            token=tokenizer.decode([step.token]),
-            logprob=step.logprob if step.logprob is not None else 0.0,
-            top=tuple((tokenizer.decode([t]), lp) for t, lp in step.top_logprobs),
-        )
+    def _send(self, job: _Job, chunk: Chunk) -> None:
+        """Deliver a chunk; a callback that raises cancels its own job, never the worker."""
+        try:
+            job.deliver(chunk)
+        except Exception:
+            log.exception("%s: delivering a chunk failed; cancelling that request", self.name)
+            job.cancelled.set()
+
+    def _shutdown(self) -> None:
+        """Answer everything still held or waiting, then close the engine."""
+        jobs = [s.job for s in self._active.values()] + list(self._pending)
+        self._active.clear()
+        self._pending.clear()
+        while True:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if not job.cancelled.is_set():
+                self._send(job, Chunk(finish_reason="error", error=SHUTDOWN_MESSAGE))
+        try:
+            self._engine.close()
+        except Exception:
+            log.exception("%s: closing the engine failed", self.name)
+
+
+def _logprob(tokenizer: Tokenizer, step: Step) -> TokenLogprob:
+    return TokenLogprob(
+        token=tokenizer.decode([step.token]),
+        logprob=step.logprob if step.logprob is not None else 0.0,
+        top=tuple((tokenizer.decode([t]), lp) for t, lp in step.top_logprobs),
+    )
