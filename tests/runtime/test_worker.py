@@ -1,0 +1,154 @@
+"""The scheduler on a real engine (llama.cpp on the embedded model): admission, waiting, errors that
+end one request and never the worker, and a shutdown that answers everyone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mesh_llm.engines.base import EngineOptions, SamplingParams
+from mesh_llm.runtime.worker import (
+    SHUTDOWN_MESSAGE,
+    Chunk,
+    GenerationRequest,
+    ModelWorker,
+    QueueFull,
+    WorkerNotReady,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Collector:
+    """Chunks of one request as the worker delivers them, and an event when the last one arrives."""
+
+    def __init__(self, fail_on_text: bool = False):
+        self.chunks: list[Chunk] = []
+        self.done = threading.Event()
+        self.fail_on_text = fail_on_text
+
+    def __call__(self, chunk: Chunk) -> None:
+        if self.fail_on_text and chunk.text:
+            raise RuntimeError("the client's callback broke")
+        self.chunks.append(chunk)
+        if chunk.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def final(self) -> Chunk:
+        assert self.done.wait(120), "no final chunk"
+        return self.chunks[-1]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+
+def make_worker(default_gguf, max_batch: int = 4, max_queue: int = 8) -> ModelWorker:
+    from mesh_llm.engines.llama import LlamaEngine
+
+    options = EngineOptions(ctx_size=1024, max_batch=max_batch, cache_bytes=0)
+    worker = ModelWorker("test", lambda: LlamaEngine.load(default_gguf, options), max_queue=max_queue)
+    worker.start()
+    assert worker.wait_ready(120) and worker.ready, worker.load_error
+    return worker
+
+
+def request(worker: ModelWorker, text: str, max_tokens: int = 8, **kw) -> GenerationRequest:
+    prompt = worker.tokenizer.encode(text, add_special_tokens=True)
+    return GenerationRequest(prompt=prompt, params=kw.pop("params", GREEDY), max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def worker(default_gguf):
+    w = make_worker(default_gguf)
+    yield w
+    w.stop()
+
+
+def test_requests_beyond_the_batch_wait_for_a_slot_and_all_finish(default_gguf):
+    w = make_worker(default_gguf, max_batch=1)
+    try:
+        collectors = [Collector() for _ in range(3)]
+        for i, c in enumerate(collectors):
+            w.submit(request(w, f"Story number {i}:", max_tokens=6, ignore_eos=True), c)
+        assert w.load()["max_batch"] == 1
+        for c in collectors:
+            assert c.final.finish_reason == "length" and c.final.usage.completion_tokens == 6
+    finally:
+        w.stop()
+
+
+def test_a_callback_that_raises_cancels_its_own_request_only(worker):
+    broken, fine = Collector(fail_on_text=True), Collector()
+    worker.submit(request(worker, "Once upon a time", max_tokens=40, ignore_eos=True), broken)
+    worker.submit(request(worker, "The sky is", max_tokens=10, ignore_eos=True), fine)
+    assert fine.final.finish_reason == "length" and fine.text
+    deadline = time.monotonic() + 30
+    while worker.load()["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.load()["active"] == 0  # the broken one was cancelled, not left running
+    after = Collector()
+    worker.submit(request(worker, "Hello", max_tokens=3), after)
+    assert after.final.finish_reason in ("stop", "length")
+
+
+def test_a_request_the_engine_refuses_is_rejected_and_the_worker_goes_on(worker):
+    bad = Collector()
+    vocab = worker.tokenizer.vocab_size
+    worker.submit(GenerationRequest(prompt=[1, vocab + 5], params=GREEDY, max_tokens=4), bad)
+    assert bad.final.finish_reason == "error" and bad.final.rejected
+    good = Collector()
+    worker.submit(request(worker, "Hello", max_tokens=3), good)
+    assert good.final.finish_reason in ("stop", "length")
+
+
+def test_cancel_frees_the_slot_and_sends_nothing_more(worker):
+    c = Collector()
+    cancel = worker.submit(request(worker, "Count to a thousand:", max_tokens=500, ignore_eos=True), c)
+    deadline = time.monotonic() + 60
+    while not c.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cancel()
+    deadline = time.monotonic() + 30
+    while worker.load()["active"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.load()["active"] == 0
+    assert not c.done.is_set()  # a cancelled request gets no final chunk: nobody is listening
+    assert len(c.chunks) < 500
+
+
+def test_a_full_queue_refuses_at_once(default_gguf):
+    w = make_worker(default_gguf, max_batch=1, max_queue=1)
+    try:
+        running, waiting = Collector(), Collector()
+        w.submit(request(w, "Once upon a time", max_tokens=200, ignore_eos=True), running)
+        deadline = time.monotonic() + 60
+        while not running.chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w.submit(request(w, "Hello", max_tokens=2), waiting)  # waits: the batch is full
+        with pytest.raises(QueueFull) as info:
+            w.submit(request(w, "Hi", max_tokens=2), Collector())
+        assert info.value.retry_after >= 1
+    finally:
+        w.stop()
+    # stopping answered both: the running one and the waiting one
+    assert running.final.error == SHUTDOWN_MESSAGE
+    assert waiting.final.error == SHUTDOWN_MESSAGE
+    assert not w.ready
+    with pytest.raises(WorkerNotReady):
+        w.submit(GenerationRequest([1, 2], GREEDY, 2), Collector())
+
+
+def test_a_model_that_fails_to_load_reports_why(tmp_path):
+    from mesh_llm.engines.llama import LlamaEngine
+
+    missing = tmp_path / "missing.gguf"
+    w = ModelWorker("broken", lambda: LlamaEngine.load(missing, EngineOptions()))
+    w.start()
+    assert w.wait_ready(30)
+    assert not w.ready and "not found" in str(w.load_error)
+    with pytest.raises(WorkerNotReady):
+        w.submit(GenerationRequest([1, 2], GREEDY, 2), Collector())
