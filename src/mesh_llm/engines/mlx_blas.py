@@ -212,7 +212,8 @@ print(lib.openblas_get_config().decode())
 print(lib.openblas_get_corename().decode(), flush=True)
 # One small multiply with A transposed: the small-matrix kernel that died with SIGILL on AVX2.
 n = 8
-a, b, c = (ctypes.c_float * (n * n))(*range(n * n)), (ctypes.c_float * (n * n))(*[1.0] * (n * n)), (ctypes.c_float * (n * n))()
+matrix = ctypes.c_float * (n * n)
+a, b, c = matrix(*range(n * n)), matrix(*[1.0] * (n * n)), matrix()
 lib.cblas_sgemm(101, 112, 111, n, n, n, ctypes.c_float(1), a, n, b, n, ctypes.c_float(0), c, n)
 want = [sum(a[k * n + i] for k in range(n)) for i in range(n) for _ in range(n)]
 sys.exit(0 if list(c) == want else "cblas_sgemm gave a wrong product")
