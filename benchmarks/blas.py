@@ -110,6 +110,7 @@ def main() -> None:
     names = [n for n in names if n not in skipped]
     home = tempfile.mkdtemp(prefix="blas-bench-")  # mesh-llm's unprefixed copy is made anew
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    load_before = os.getloadavg()[0]
     for round_ in range(args.rounds):
         for name in names:
             how, extra = BACKENDS[name]
@@ -125,7 +126,8 @@ def main() -> None:
 
     first = statistics.median(r["gflops"] for r in runs[names[0]])
     print(f"\nfloat32 {args.size}^3 matmul through MLX, {args.threads} threads, {platform.machine()}, "
-          f"median of {args.rounds} rounds (each the best of {args.reps}):")
+          f"median of {args.rounds} rounds (each the best of {args.reps}), "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after:")
     summary = {}
     for name in names:
         gflops = [r["gflops"] for r in runs[name]]
@@ -138,7 +140,8 @@ def main() -> None:
         print(f"  {name:18s} skipped: {why}")
     if args.out:
         args.out.write_text(json.dumps({"size": args.size, "threads": args.threads, "rounds": args.rounds,
-                                        "reps": args.reps, "results": summary, "skipped": skipped}, indent=2))
+                                        "reps": args.reps, "load_average": [load_before, os.getloadavg()[0]],
+                                        "results": summary, "skipped": skipped}, indent=2))
 
 
 if __name__ == "__main__":
