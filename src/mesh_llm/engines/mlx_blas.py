@@ -174,7 +174,7 @@ def _ensure() -> str:
         _openblas = ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
         set_blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
         return f"openblas ({source}, {corename})"
-    log.warning("%s (%s). Fix: %s", _SLOW, "; ".join(failures), _FIX)
+    log.warning("%s (%s). For a DYNAMIC_ARCH OpenBLAS: %s", _SLOW, "; ".join(failures), _FIX)
     return "reference (slow)"
 
 
