@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from support import Server, start_server
+from support import Server, live_children, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,6 +34,21 @@ def _has_gpu() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.stdout.strip() == "True"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """After the last test (and every other fixture's teardown), no child of this run may still run."""
+    yield
+    deadline = time.monotonic() + 10  # a server stopping, a watcher noticing its group is gone
+    while (left := live_children(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes still running after the tests (now killed): {left}"
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Test helpers shared by several folders: real `mesh-llm serve` processes on free loopback ports."""
+"""Test helpers shared by several folders: real `mesh-llm serve` processes on free loopback ports, which
+die with the test process however it ends (``mesh_llm.children``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from mesh_llm import children
 
 
 def free_port() -> int:
@@ -50,8 +53,7 @@ def start_server(args: list[str], log: Path, env: dict | None = None, timeout: f
     port = free_port()
     cmd = [sys.executable, "-m", "mesh_llm", "serve", "--port", str(port), *args]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+        proc = children.popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(proc, port, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -65,6 +67,20 @@ def start_server(args: list[str], log: Path, env: dict | None = None, timeout: f
         time.sleep(0.2)
     server.stop()
     pytest.fail(f"server not healthy after {timeout}s:\n{server.output()}")
+
+
+def live_children(parent: int) -> dict[int, str]:
+    """Processes whose parent is ``parent`` and that still run (zombies excluded): pid -> command line."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent and fields[0] != "Z":
+                cmdline = (stat.parent / "cmdline").read_bytes()
+                found[int(stat.parent.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            pass  # it exited while we looked
+    return found
 
 
 def run_until_eos(engine, prompt, limit=40) -> tuple[list[int], int]:

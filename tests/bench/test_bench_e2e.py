@@ -4,12 +4,13 @@ with, each a real server process; then every output file is read back and checke
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from matplotlib.image import imread
+
+from mesh_llm import children
 
 BACKENDS = ["mesh-mlx", "mesh-llama", "mlx-lm", "llama-cpp-python"]
 CASES = [
@@ -33,7 +34,7 @@ def bench(tmp_path_factory, tiny_pair):
     argv = [sys.executable, "-m", "mesh_llm", "bench", "--model-pair", f"{tiny_pair.mlx},{tiny_pair.gguf}",
             "--backends", ",".join(BACKENDS), "--cases", str(root / "cases.json"), "--runs", "1", "--warmup", "1",
             "--max-tokens", str(MAX_TOKENS), "--threads", "2", "--ctx-size", "2048", "--out", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, check=False)
+    done = children.run(argv, capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done
 

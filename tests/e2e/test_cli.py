@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
+from mesh_llm import children
 from support import free_port
 
 
 def mesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mesh_llm", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return children.run([sys.executable, "-m", "mesh_llm", *args], capture_output=True, text=True,
+                        timeout=timeout)
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

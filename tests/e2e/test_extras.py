@@ -12,6 +12,8 @@ import sys
 import httpx
 from support import free_port, start_server
 
+from mesh_llm import children
+
 BLOCKER = '''
 import importlib.abc, os, sys
 class _Hide(importlib.abc.MetaPathFinder):
@@ -30,8 +32,8 @@ def hiding(tmp_path, package: str) -> dict:
 
 
 def serve(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mesh_llm", "serve", "--port", str(free_port()), *args],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    return children.run([sys.executable, "-m", "mesh_llm", "serve", "--port", str(free_port()), *args],
+                        capture_output=True, text=True, timeout=120, env={**os.environ, **env})
 
 
 def test_without_llama_cpp_the_default_model_is_served_by_mlx(tmp_path):

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from support import free_port
 
+from mesh_llm import children
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,8 +25,8 @@ def test_make_serve_from_a_fresh_clone(tmp_path):
     port = free_port()
     log = open(tmp_path / "make.log", "wb")
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    proc = subprocess.Popen(["make", "serve", f"ARGS=--port {port}"], cwd=clone, stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = children.popen(["make", "serve", f"ARGS=--port {port}"], cwd=clone, stdout=log,
+                          stderr=subprocess.STDOUT, env=env, whole_group=True)  # make starts the server
     try:
         deadline = time.monotonic() + 1800  # a first install may build llama-cpp-python
         while time.monotonic() < deadline:

@@ -410,7 +410,7 @@ print(2 * 1024**3 / best / 1e9)
 def test_mlx_multiplies_with_openblas_on_linux_cpu(tmp_path):
     """In a fresh process: OpenBLAS is interposed, and MLX's float32 matmul is fast (the reference
     BLAS manages ~5 GFLOP/s here, OpenBLAS 140-200); too late after mlx.core, it says so."""
-    env = {**os.environ, "MESH_LLM_HOME": str(tmp_path)}  # the patched libgfortran is made anew
+    env = {**os.environ, "MESH_LLM_HOME": str(tmp_path)}  # the unprefixed OpenBLAS copy is made anew
 
     def probe(when):
         out = subprocess.run([sys.executable, "-c", BLAS_PROBE, when], env=env, check=True,

@@ -1,8 +1,9 @@
 """The servers under test: how each is started on the same model files, probed, and stopped.
 
-Every backend is its own process (a new session, so a Ctrl-C at the harness does not reach it),
-started on a free loopback port with the same thread count and context size, and stopped by its own
-process id: SIGINT, then SIGKILL after a grace period. Flags are those of the installed packages:
+Every backend is its own process (a new session, so a Ctrl-C at the harness does not reach it, and
+killed with the harness if the harness dies: ``mesh_llm.children``), started on a free loopback port
+with the same thread count and context size, and stopped by its own process id: SIGINT, then SIGKILL
+after a grace period. Flags are those of the installed packages:
 ``mlx_lm/server.py`` (mlx-lm 0.32), ``llama_cpp/server/settings.py`` (llama-cpp-python 0.3) and
 llama.cpp's ``llama-server``.
 """
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from mesh_llm import children
 
 # mlx_lm.server with OpenBLAS interposed the way mesh-llm does it on Linux, so that the comparison
 # is of servers, not of BLAS libraries. Elsewhere (macOS, CUDA) ensure_fast_blas() changes nothing.
@@ -135,8 +138,8 @@ class Server:
             log.write(f"\n$ {' '.join(argv)}\n".encode())
             log.flush()
             self.started = time.perf_counter()
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            self.proc = children.popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env)
         return self._until(self._models_listed, "/v1/models to answer")
 
     def wait_ready(self) -> float:

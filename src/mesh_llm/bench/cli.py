@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mesh_llm import children
 from mesh_llm.bench.backends import BACKENDS, DEFAULT_BACKENDS, Settings
 from mesh_llm.bench.cases import load_cases
 from mesh_llm.bench.runner import ModelPair, Plan, Runner
@@ -124,7 +124,7 @@ def _default_pair() -> ModelPair:
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     console.print("preparing the MLX folder of the default model (imported once)…")
     code = "from mesh_llm.models import default_mlx_folder; print(default_mlx_folder())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    done = children.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     mlx = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
     if mlx is None:
         console.print(f"[yellow]warning:[/] no MLX folder for the default model; the MLX backends will fail:\n"
