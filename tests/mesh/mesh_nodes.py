@@ -73,16 +73,18 @@ def mesh_view(server: Server) -> dict[str, str]:
 
 
 class SilentPeer:
-    """A TCP port that accepts connections and never answers: a hung node."""
+    """A TCP port that accepts connections, reads what comes and never answers: a hung node.
+    ``held`` lists, per connection, the request line and how long the caller waited before it
+    closed the connection."""
 
     def __init__(self):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        self.held: list[tuple[str, float]] = []
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -94,11 +96,21 @@ class SilentPeer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            self.accepted.append(conn)
+            self._conns.append(conn)
+            threading.Thread(target=self._hold, args=(conn, time.monotonic()), daemon=True).start()
+
+    def _hold(self, conn: socket.socket, accepted: float) -> None:
+        data = b""
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            return
+        self.held.append((data.split(b"\r\n", 1)[0].decode(errors="replace"), time.monotonic() - accepted))
 
     def close(self) -> None:
         self.sock.close()
-        for conn in self.accepted:
+        for conn in self._conns:
             conn.close()
 
 

@@ -158,6 +158,8 @@ class MeshNode:
                     "id": e.id, "object": "model", "created": e.created, "owned_by": "mesh-llm",
                     "engine": e.engine, "format": e.format, "context_length": e.context_length, "nodes": []})
                 item["nodes"].append(record.id)
+        for item in entries.values():
+            item["nodes"].sort()
         return list(entries.values())
 
     # -- life ------------------------------------------------------------------------------------------

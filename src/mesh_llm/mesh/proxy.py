@@ -103,7 +103,7 @@ async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, h
         except httpx.ConnectError as exc:
             return Failure(f"cannot be reached ({_short(exc)})")
         except httpx.HTTPError as exc:
-            return Failure(f"failed ({_short(exc)})")
+            return Failure(f"dropped the request ({_short(exc)})")
         try:
             return await _deliver(upstream, first_byte_timeout, stop, client_gone, send, extra)
         finally:
