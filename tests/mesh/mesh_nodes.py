@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -65,9 +66,9 @@ def chat(server: Server, model: str, content: str = "Say hi.", headers: dict | N
     return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
 
 
-def mesh_view(server: Server) -> dict[str, str]:
+def mesh_view(server: Server, token: str = TOKEN) -> dict[str, str]:
     """Member id -> state, as ``server``'s /api/mesh reports them."""
-    reply = httpx.get(server.url + "/api/mesh", headers=PEER, timeout=10)
+    reply = httpx.get(server.url + "/api/mesh", headers={"x-mesh-token": token}, timeout=10)
     assert reply.status_code == 200, reply.text
     return {m["id"]: m["state"] for m in reply.json()["members"]}
 
@@ -128,12 +129,13 @@ def start_tls_server(args: list[str], log: Path, ca_file: str, timeout: float = 
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     server = TLSServer(proc, port, log)
+    verify = ssl.create_default_context(cafile=ca_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{server.output()}")
         try:
-            if httpx.get(server.url + "/health", verify=ca_file, timeout=2).status_code == 200:
+            if httpx.get(server.url + "/health", verify=verify, timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

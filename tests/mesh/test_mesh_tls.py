@@ -4,6 +4,7 @@ cannot join."""
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 
@@ -23,7 +24,8 @@ def pki(tmp_path_factory):
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert.private_key_pem.write_to_path(str(folder / "key.pem"))
     cert.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
-    return {name: str(folder / f"{name}.pem") for name in ("ca", "cert", "key")}
+    files = {name: str(folder / f"{name}.pem") for name in ("ca", "cert", "key")}
+    return {**files, "verify": ssl.create_default_context(cafile=files["ca"])}
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +47,12 @@ def mesh(pki, tmp_path_factory):
 def test_requests_cross_the_mesh_over_verified_tls(mesh, pki):
     server, client = mesh
     assert server.url.startswith("https://") and client.url.startswith("https://")
-    listed = lambda: httpx.get(client.url + "/v1/models", verify=pki["ca"], timeout=10).json()["data"]  # noqa: E731
+    listed = lambda: httpx.get(client.url + "/v1/models", verify=pki["verify"], timeout=10).json()["data"]  # noqa: E731
     wait_for(lambda: [m["id"] for m in listed()] == ["secret"], 10, "the client node lists the TLS node's model")
-    reply = httpx.post(client.url + "/v1/chat/completions", verify=pki["ca"], timeout=120, json={
+    reply = httpx.post(client.url + "/v1/chat/completions", verify=pki["verify"], timeout=120, json={
         "model": "secret", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "tls-a"
-    view = httpx.get(server.url + "/api/mesh", verify=pki["ca"], headers={"x-mesh-token": TOKEN}, timeout=10)
+    view = httpx.get(server.url + "/api/mesh", verify=pki["verify"], headers={"x-mesh-token": TOKEN}, timeout=10)
     assert {m["id"]: m["state"] for m in view.json()["members"]} == {"tls-a": "self", "tls-b": "up"}
     with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on a TLS port
         httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5)
