@@ -1,6 +1,7 @@
 """Two nodes serve the same model and a third (a client node) takes the requests: a conversation stays
 on the node whose prompt cache holds it, turn after turn; ``x-mesh-target`` and ``x-mesh-exclude``
-override that; a client that leaves a proxied stream frees the serving node's worker."""
+override that; a prompt over one node's context goes to the other; a client that leaves a proxied
+stream frees the serving node's worker."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ REPLICAS = ("replica-1", "replica-2")
 @pytest.fixture(scope="module")
 def mesh(nodes):
     one = nodes.start("replica-1", "--alias", "smol")
-    two = nodes.start("replica-2", "--alias", "smol", "--join", one.url)
+    two = nodes.start("replica-2", "--alias", "smol", "--join", one.url, "--ctx-size", "512")
     entry = nodes.start("entry", "--client", "--join", two.url, model=False)
     wait_for(lambda: sorted(served_models(entry).get("smol", [])) == list(REPLICAS), 15,
              "the entry sees both replicas")
@@ -45,6 +46,18 @@ def test_a_conversation_stays_on_the_node_with_its_cache_and_target_overrides_it
     assert moved.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # other never saw it
     away = chat(entry, "smol", messages=messages, max_tokens=4, headers={"x-mesh-exclude": other})
     assert away.headers["x-mesh-served-by"] == home
+
+
+def test_a_prompt_over_one_node_s_context_is_served_by_the_other(mesh):
+    entry = mesh["entry"]
+    long_prompt = "Here is a list of words to remember: " + " ".join(f"word{i}" for i in range(200))
+    reply = chat(entry, "smol", long_prompt, headers={"x-mesh-target": "replica-2"}, max_tokens=2)
+    assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "replica-1"
+    assert reply.headers["x-mesh-failed"] == "replica-2: the prompt does not fit its context"
+    assert reply.json()["usage"]["prompt_tokens"] > 512
+    too_long = chat(entry, "smol", long_prompt * 4, max_tokens=2)  # over every node's context
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_client_that_leaves_a_proxied_stream_frees_the_serving_worker(mesh):
