@@ -176,7 +176,12 @@ class MeshNode:
             from mesh_llm.mesh.discovery import Discovery
 
             self.discovery = Discovery(self)
-            await self.discovery.start()
+            try:
+                await self.discovery.start()
+            except OSError as exc:  # no multicast here: the node still serves, and --join still works
+                log.warning("mesh: --discover is not available here (%s); join with --join URL", exc)
+                await self.discovery.close()
+                self.discovery = None
         if self.config.generated_token:
             log.info("mesh token generated; join this mesh with:\n  mesh-llm serve --join %s --mesh-token %s",
                      self.url, self.config.token)
