@@ -25,6 +25,21 @@ def mesh(nodes):
     return {"x": x, "y": y, "z": z, "w": w, "nodes": nodes}
 
 
+def test_a_non_streamed_answer_slower_than_the_first_byte_timeout_is_not_cut_off(mesh):
+    y = mesh["y"]
+    body = {"model": "solo", "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0}
+    start = time.monotonic()
+    probe = httpx.post(y.url + "/v1/completions", json={**body, "max_tokens": 32}, timeout=120)
+    rate = 32 / (time.monotonic() - start)  # tokens a second through the hop, right now
+    tokens = min(1900, int(rate * (FIRST_BYTE_TIMEOUT + 2)))
+    start = time.monotonic()
+    reply = httpx.post(y.url + "/v1/completions", json={**body, "max_tokens": tokens}, timeout=600)
+    elapsed = time.monotonic() - start
+    assert probe.status_code == reply.status_code == 200, reply.text
+    assert reply.headers["x-mesh-served-by"] == "x" and reply.json()["usage"]["completion_tokens"] == tokens
+    assert elapsed > FIRST_BYTE_TIMEOUT and "x-mesh-failed" not in reply.headers
+
+
 def test_a_node_killed_mid_stream_ends_the_stream_with_an_error_and_its_replica_takes_over(mesh):
     x, y, z, w = (mesh[n] for n in "xyzw")
     body = {"model": "dup", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
