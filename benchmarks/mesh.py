@@ -155,10 +155,23 @@ def proxy_overhead(serving: Server, entry: Server, args) -> dict:
         return out
 
     print(f"proxy overhead: {args.pairs} TTFT pairs …", file=sys.stderr)
+    before = cpu_seconds(entry)
     ttft = pairs(ttft_body, args.pairs)
+    ttft_cpu = cpu_seconds(entry) - before
     print(f"proxy overhead: {args.decode_pairs} decode pairs of {args.decode_tokens} tokens …", file=sys.stderr)
+    before = cpu_seconds(entry)
     decode = pairs(decode_body, args.decode_pairs)
-    return {"ttft": ttft, "decode": decode}
+    decode_cpu = cpu_seconds(entry) - before
+    tokens = sum(p["hop"]["completion_tokens"] for p in decode)
+    return {"ttft": ttft, "decode": decode,
+            "entry_cpu": {"ms_per_request": ttft_cpu / len(ttft) * 1e3, "us_per_token": decode_cpu / tokens * 1e6}}
+
+
+def cpu_seconds(server: Server) -> float:
+    """CPU time (user + system) the node's process has used: the hop's cost, which a busy machine's
+    wall clock hides."""
+    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def affinity_vs_random(entry: Server, replicas: list[str], args) -> dict:
@@ -221,6 +234,9 @@ def report(r: dict) -> dict:
     print(f"  {'decode (tok/s)':28} {direct_tps:10.1f} {hop_tps:10.1f} {hop_tps - direct_tps:+13.1f} "
           f"{hop_tps / direct_tps:7.3f}")
     print(f"  ({len(ttft)} TTFT pairs, {len(decode)} decode pairs; goal: <= 5 ms TTFT, <= 3% decode)")
+    cpu = r["proxy_overhead"]["entry_cpu"]
+    print(f"  the entry node's CPU: {cpu['ms_per_request']:.2f} ms a request, {cpu['us_per_token']:.0f} us a "
+          "streamed token")
 
     fifth = {mode: [conv[4] for conv in convs] for mode, convs in r["routing"].items()}
     same_node = {mode: sum(len({t["served_by"] for t in conv}) == 1 for conv in convs)
@@ -238,7 +254,7 @@ def report(r: dict) -> dict:
         print(f"  {how:8} median {med(times):5.2f} s, max {max(times):5.2f} s over {len(times)} runs")
     return {"ttft_direct_ms": direct_ttft * 1e3, "ttft_hop_ms": hop_ttft * 1e3, "ttft_paired_delta_ms": paired * 1e3,
             "ttft_ratio": hop_ttft / direct_ttft, "decode_direct_tps": direct_tps, "decode_hop_tps": hop_tps,
-            "decode_ratio": hop_tps / direct_tps,
+            "decode_ratio": hop_tps / direct_tps, "entry_cpu": r["proxy_overhead"]["entry_cpu"],
             "fifth_turn_ttft_ms": {m: med([t["ttft_s"] for t in ts]) * 1e3 for m, ts in fifth.items()},
             "fifth_turn_affinity_over_random": ratio,
             "forget_s": {how: med(times) for how, times in r["forgetting"].items()}}
