@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,6 +23,8 @@ app = typer.Typer(help="Serve LLMs from MLX and llama.cpp engines behind one Ope
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 models_app = typer.Typer(help="Find, download and convert models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+mesh_app = typer.Typer(help="Inspect a mesh of mesh-llm nodes.", no_args_is_help=True)
+app.add_typer(mesh_app, name="mesh")
 app.command("bench")(bench_command)
 
 console = Console(stderr=True)
@@ -91,6 +94,29 @@ def serve(
                                               "memory free after loading, at most 16G."),
     cache_entries: int = typer.Option(64, help="Most prompt states the cache keeps per model."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    mesh: bool = typer.Option(False, "--mesh", help="Start a mesh with a fresh random token and print "
+                              "the command that joins it.", rich_help_panel="Mesh"),
+    mesh_token: Optional[str] = typer.Option(None, help="The mesh's shared secret (or MESH_LLM_MESH_TOKEN): "
+                                             "alone it starts a mesh; with --join it joins one.",
+                                             rich_help_panel="Mesh"),
+    join: list[str] = typer.Option([], help="A member's API address (http(s)://host:port) to join the "
+                                    "mesh through; repeatable.", rich_help_panel="Mesh"),
+    client: bool = typer.Option(False, "--client", help="Join as an API-only node that serves no model.",
+                                rich_help_panel="Mesh"),
+    discover: bool = typer.Option(False, "--discover", help="Find members with the same token on the "
+                                  "local network by mDNS, and be found.", rich_help_panel="Mesh"),
+    node_name: Optional[str] = typer.Option(None, help="This node's id in the mesh (default: "
+                                            "hostname-<random>).", rich_help_panel="Mesh"),
+    advertise_url: Optional[str] = typer.Option(None, help="The API address peers use to reach this node "
+                                                "(default: from --host and --port).", rich_help_panel="Mesh"),
+    first_byte_timeout: float = typer.Option(10.0, help="Seconds a peer may stay silent before the next "
+                                             "node is tried.", rich_help_panel="Mesh"),
+    tls_cert: Optional[str] = typer.Option(None, help="Serve HTTPS with this certificate (PEM).",
+                                           rich_help_panel="TLS"),
+    tls_key: Optional[str] = typer.Option(None, help="The certificate's private key (PEM).",
+                                          rich_help_panel="TLS"),
+    tls_ca: Optional[str] = typer.Option(None, help="CA bundle to verify peers' certificates (default: "
+                                         "the system's).", rich_help_panel="TLS"),
 ) -> None:
     """Serve models on an OpenAI-compatible API (http://HOST:PORT/v1)."""
     from mesh_llm.serve import ServeConfig, StartupError
@@ -108,10 +134,15 @@ def serve(
     except ValueError:
         raise fail(f"--cache-bytes must be a byte count such as 512M, 2G or 0, not {cache_bytes!r}") \
             from None
+    mesh_config = None
+    if mesh or mesh_token or join or client or discover:
+        mesh_config = mesh_settings(mesh, mesh_token, join, client, discover, node_name, advertise_url,
+                                    first_byte_timeout, tls_ca)
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
                          max_queue=max_queue, max_batch=max_batch, cache_bytes=cache_size,
-                         cache_entries=cache_entries)
+                         cache_entries=cache_entries, tls_cert=tls_cert, tls_key=tls_key,
+                         mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
     except StartupError as exc:
@@ -123,6 +154,28 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, discover: bool,
+                  node_name: str | None, advertise_url: str | None, first_byte_timeout: float,
+                  tls_ca: str | None):
+    """The mesh flags as a MeshConfig, or a one-line error."""
+    from mesh_llm.mesh import MeshConfig, new_token
+
+    token = token or os.environ.get("MESH_LLM_MESH_TOKEN") or None
+    if token is None and (join or client or discover):
+        raise fail("--join, --client and --discover need the mesh's token: --mesh-token TOKEN or "
+                   "MESH_LLM_MESH_TOKEN")
+    if not first_byte_timeout > 0:
+        raise fail("--first-byte-timeout must be a positive number of seconds")
+    for url in [*join, *([advertise_url] if advertise_url else [])]:
+        if not url.startswith(("http://", "https://")):
+            raise fail(f"{url!r} is not an API address: write http(s)://host:port")
+    if node_name is not None and not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", node_name):
+        raise fail("--node-name may use letters, digits and . _ : - (at most 128)")
+    return MeshConfig(token=token or new_token(), join=join, client=client, discover=discover,
+                      node_name=node_name, advertise_url=advertise_url, tls_ca=tls_ca,
+                      first_byte_timeout=first_byte_timeout, generated_token=token is None)
 
 
 def parse_bytes(text: str) -> int:
@@ -200,6 +253,38 @@ def models_import_gguf(
     except GGUFConvertError as exc:
         raise fail(str(exc)) from None
     console.print(f"wrote {path}", markup=False)
+
+
+@mesh_app.command("status")
+def mesh_status(
+    url: str = typer.Option(..., help="Any member's API address, http(s)://host:port."),
+    mesh_token: Optional[str] = typer.Option(None, envvar="MESH_LLM_MESH_TOKEN", help="The mesh's token."),
+    api_key: Optional[str] = typer.Option(None, envvar="MESH_LLM_API_KEY",
+                                          help="The node's API key, instead of the token."),
+    tls_ca: Optional[str] = typer.Option(None, help="CA bundle to verify the node's certificate."),
+    as_json: bool = typer.Option(False, "--json", help="Print the node's /api/mesh answer as it is."),
+) -> None:
+    """Members of a mesh, their models, health, load and last heartbeat, as one node sees them."""
+    import json
+
+    from mesh_llm.mesh.status import HEADER, StatusError, fetch, rows
+
+    try:
+        mesh = fetch(url, mesh_token, api_key, tls_ca)
+    except StatusError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        print(json.dumps(mesh, indent=2))
+        return
+    out = Console()
+    if not out.is_terminal:
+        for row in (HEADER, *rows(mesh)):
+            print("\t".join(row))
+        return
+    table = Table(*HEADER, title=f"mesh seen from {mesh.get('node')}")
+    for row in rows(mesh):
+        table.add_row(*row)
+    out.print(table)
 
 
 def main() -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -16,6 +18,9 @@ from mesh_llm.api.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
 from mesh_llm.engines import choose_engine, engine_class
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.runtime.worker import ModelWorker
+
+if TYPE_CHECKING:
+    from mesh_llm.mesh import MeshConfig
 
 log = logging.getLogger("mesh_llm.serve")
 
@@ -40,6 +45,9 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
     cache_entries: int = 64
+    tls_cert: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate and key
+    tls_key: str | None = None
+    mesh: MeshConfig | None = None  # take part in a mesh (mesh/); None: a standalone server
 
 
 @dataclass
@@ -107,14 +115,25 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
 
 def serve(config: ServeConfig, progress_factory=None) -> int:
     """Run until interrupted; returns the process exit code."""
-    plans = plan_models(config, progress=progress_factory("import") if progress_factory else None)
+    client_only = config.mesh is not None and config.mesh.client
+    plans = [] if client_only else plan_models(config, progress=progress_factory("import") if progress_factory
+                                               else None)
+    check_tls(config)
     sock = bind(config.host, config.port)
     workers = start_workers(plans, config, progress_factory)
     created = int(time.time())
-    app = create_app([ServedModel(p.id, w, p.format, created) for p, w in zip(plans, workers)],
-                     api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    served = [ServedModel(p.id, w, p.format, created) for p, w in zip(plans, workers)]
+    app = create_app(served, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    if config.mesh is not None:
+        try:
+            app = join_mesh(app, served, config)
+        except StartupError:
+            for worker in workers:
+                worker.stop(timeout=5)
+            raise
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, ssl_certfile=config.tls_cert,
+                                           ssl_keyfile=config.tls_key))
     failed: list[str] = []
 
     def watch() -> None:
@@ -128,7 +147,7 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
             log.info("ready: %s on %s (%s, %s), context %d, batch %d, %.0f MB: %s", plan.id,
                      info.engine, info.device, info.backend, info.context_length,
                      worker.load()["max_batch"], info.memory_bytes / 1e6, plan.reason)
-        log.info("serving on http://%s:%d/v1", config.host, config.port)
+        log.info("serving on %s://%s:%d/v1", "https" if config.tls_cert else "http", config.host, config.port)
 
     threading.Thread(target=watch, name="startup-watch", daemon=True).start()
     try:
@@ -139,3 +158,31 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     if failed:
         raise StartupError(failed[0])
     return 0
+
+
+def check_tls(config: ServeConfig) -> None:
+    """--tls-cert and --tls-key come together and load, or the start-up stops with one line."""
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise StartupError("--tls-cert and --tls-key go together")
+    if config.tls_cert is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"cannot use the TLS certificate {config.tls_cert} with key {config.tls_key}: "
+                           f"{exc.strerror or exc}") from None
+
+
+def join_mesh(app, served: list[ServedModel], config: ServeConfig):
+    """Put the mesh gateway in front of ``app``, joining the mesh first when told to."""
+    from mesh_llm.mesh import MeshError, attach
+    from mesh_llm.mesh.node import api_url
+
+    if config.mesh.tls_ca is not None and not Path(config.mesh.tls_ca).is_file():
+        raise StartupError(f"--tls-ca {config.mesh.tls_ca}: no such file")
+    url = api_url(config.host, config.port, tls=config.tls_cert is not None)
+    try:
+        return attach(app, served, config.mesh, url, api_key=config.api_key,
+                      max_body_bytes=config.max_body_bytes)
+    except MeshError as exc:
+        raise StartupError(str(exc)) from None

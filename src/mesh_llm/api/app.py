@@ -24,6 +24,7 @@ from mesh_llm.runtime.worker import GenerationRequest, ModelWorker, QueueFull, W
 log = logging.getLogger("mesh_llm.api")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+PEER_SCOPE_KEY = "mesh_llm.peer"  # set by the mesh gateway on a request a peer forwarded with the mesh token
 
 
 @dataclass
@@ -45,7 +46,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     async def require_key(request: Request) -> None:
-        if api_key is None:
+        if api_key is None or request.scope.get(PEER_SCOPE_KEY):  # the entry node checked the client
             return
         header = request.headers.get("authorization", "")
         given = header[7:] if header.lower().startswith("bearer ") else ""

@@ -1,0 +1,114 @@
+"""The mesh's own routes: node-to-node (``POST /mesh/heartbeat``, ``POST /mesh/leave``), which need
+the mesh token, and the management API (``GET /api/status``, ``GET /api/mesh``), which needs the mesh
+token or the API key. Peers' bodies are bounded and validated; bad ones get a 4xx in OpenAI's error
+format and change nothing."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mesh_llm.api.errors import APIError, error_response
+from mesh_llm.mesh.records import Heartbeat, Leave
+from mesh_llm.mesh.security import TOKEN_HEADER, bearer_matches, token_matches
+
+MAX_PEER_BODY = 1024 * 1024
+log = logging.getLogger("mesh_llm.mesh")
+
+CONTROL_PATHS = ("/mesh/", "/api/status", "/api/mesh")
+
+
+def is_control(path: str) -> bool:
+    return path.startswith(CONTROL_PATHS[0]) or path in CONTROL_PATHS[1:]
+
+
+def control_app(node, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="mesh-llm mesh", docs_url=None, redoc_url=None, openapi_url=None)
+    _errors(app)
+    token = node.config.token
+
+    def peer(request: Request) -> None:
+        if not token_matches(request.headers.get(TOKEN_HEADER), token):
+            raise APIError(401, f"this route needs the mesh token in '{TOKEN_HEADER}'", code="invalid_mesh_token")
+
+    def reader(request: Request) -> None:
+        if token_matches(request.headers.get(TOKEN_HEADER), token):
+            return
+        if api_key is not None and bearer_matches(request.headers.get("authorization"), api_key):
+            return
+        raise APIError(401, f"send the mesh token in '{TOKEN_HEADER}'"
+                       + (" or 'Authorization: Bearer <API key>'" if api_key else ""), code="invalid_mesh_token")
+
+    @app.post("/mesh/heartbeat", dependencies=[Depends(peer)])
+    async def heartbeat(request: Request) -> dict:
+        beat = await _parse(request, Heartbeat)
+        if beat.sender.id == node.id:
+            raise APIError(409, f"a node with the id '{node.id}' is already in this mesh at {node.url}",
+                           param="sender.id", code="node_id_taken")
+        return node.take_heartbeat(beat).model_dump(mode="json")
+
+    @app.post("/mesh/leave", dependencies=[Depends(peer)])
+    async def leave(request: Request) -> dict:
+        node.take_leave(await _parse(request, Leave))
+        return {"ok": True}
+
+    @app.get("/api/status", dependencies=[Depends(reader)])
+    async def status() -> dict:
+        record = node.record()
+        return {**record.model_dump(mode="json"), "uptime_s": round(node.uptime(), 1),
+                "members_up": len(node.membership.up()), "members_down": len(node.membership.members())
+                - len(node.membership.up())}
+
+    @app.get("/api/mesh", dependencies=[Depends(reader)])
+    async def mesh() -> dict:
+        own = {**node.record().model_dump(mode="json"), "state": "self", "last_heartbeat_s": 0.0}
+        members = [{**m.record.model_dump(mode="json"), "state": "up" if m.up else "down",
+                    "last_heartbeat_s": round(node.membership.age(m), 2)}
+                   for m in sorted(node.membership.members(), key=lambda m: m.id)]
+        return {"node": node.id, "members": [own, *members], "models": node.model_list()}
+
+    return app
+
+
+async def _parse(request: Request, shape: type[BaseModel]):
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_PEER_BODY:
+        raise APIError(413, f"the body is over {MAX_PEER_BODY} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_PEER_BODY:
+            raise APIError(413, f"the body is over {MAX_PEER_BODY} bytes", code="request_too_large")
+    try:
+        return shape.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or None
+        if first.get("type") == "json_invalid":
+            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+        raise APIError(400, f"invalid {shape.__name__.lower()}: {first.get('msg', 'bad value')}", param=where,
+                       code="invalid_value") from None
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, "invalid request", code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, "no such route" if exc.status_code == 404 else str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in a mesh route")
+        return error_response(500, "internal server error", code="internal_error")

@@ -1,0 +1,129 @@
+"""Heartbeats: every second this node sends its record and its view of the mesh to each member (and
+to the addresses it was told to join through), and merges what each answers. Members learn of each
+other through these exchanges; there is no other membership protocol.
+
+A heartbeat that is answered is also the proof that the member is reachable from here; one that is
+not (refused, timed out, wrong token) leaves the member to go down when its time runs out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from pydantic import ValidationError
+
+from mesh_llm.mesh.records import Heartbeat, Leave
+from mesh_llm.mesh.security import TOKEN_HEADER
+
+log = logging.getLogger("mesh_llm.mesh")
+
+
+class JoinRefused(Exception):
+    """A member refused this node (wrong token, an id already taken) or could not be reached."""
+
+
+def join(node, seeds: list[str], verify) -> None:
+    """Introduce this node to the mesh through ``seeds`` before serving: a wrong token or an
+    unreachable mesh stops the start-up with one clear line."""
+    errors = []
+    payload = node.heartbeat().model_dump_json()
+    with httpx.Client(verify=verify, timeout=node.config.connect_timeout * 2, trust_env=False) as http:
+        for seed in seeds:
+            try:
+                reply = http.post(seed + "/mesh/heartbeat", content=payload, headers=_headers(node))
+            except httpx.HTTPError as exc:
+                errors.append(f"cannot reach the mesh at {seed}: {exc}")
+                continue
+            if reply.status_code == 401:
+                raise JoinRefused(f"the mesh at {seed} refused this node's mesh token")
+            if reply.status_code != 200:
+                raise JoinRefused(f"the mesh at {seed} refused this node: {_message(reply)}")
+            try:
+                node.take_heartbeat(Heartbeat.model_validate_json(reply.content), reached=True)
+            except ValidationError:
+                raise JoinRefused(f"{seed} answered the join with something that is not a mesh heartbeat") \
+                    from None
+            node.seeds.discard(seed)
+            return
+    raise JoinRefused(errors[0])
+
+
+class Heartbeater:
+    def __init__(self, node, http: httpx.AsyncClient):
+        self.node, self.http = node, http
+        interval = node.config.heartbeat_interval
+        self.timeout = httpx.Timeout(max(interval, node.config.down_after / 2), connect=node.config.connect_timeout)
+        self._in_flight: dict[str, asyncio.Task] = {}
+        self._refused: set[str] = set()
+
+    async def run(self) -> None:
+        while True:
+            self.beat()
+            await asyncio.sleep(self.node.config.heartbeat_interval)
+            self.node.sweep()
+
+    def beat(self) -> None:
+        """Send one round of heartbeats; one still under way to an address is not doubled."""
+        node = self.node
+        payload = node.heartbeat().model_dump_json()
+        targets = {m.record.url: m.id for m in node.membership.members()}
+        if not node.membership.up():
+            targets.update({seed: None for seed in node.join_urls})  # alone: try the way in again
+        targets.update({seed: None for seed in node.seeds if seed not in targets})
+        for url, member_id in targets.items():
+            if url == node.url or (url in self._in_flight and not self._in_flight[url].done()):
+                continue
+            self._in_flight[url] = asyncio.create_task(self._send(url, member_id, payload))
+        for url in [u for u, t in self._in_flight.items() if t.done() and u not in targets]:
+            del self._in_flight[url]
+
+    async def _send(self, url: str, member_id: str | None, payload: str) -> None:
+        try:
+            reply = await self.http.post(url + "/mesh/heartbeat", content=payload, headers=_headers(self.node),
+                                         timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            log.debug("heartbeat to %s failed: %s", url, exc)
+            return
+        if reply.status_code != 200:
+            if url not in self._refused:
+                self._refused.add(url)
+                log.warning("%s refused this node's heartbeat: %s", url, _message(reply))
+            return
+        self._refused.discard(url)
+        try:
+            beat = Heartbeat.model_validate_json(reply.content)
+        except ValidationError:
+            log.warning("%s answered a heartbeat with something else; ignored", url)
+            return
+        if member_id is not None and beat.sender.id != member_id:
+            return  # another node now lives at that address: its own heartbeats will introduce it
+        self.node.take_heartbeat(beat, reached=True)
+        self.node.seeds.discard(url)
+
+    async def leave(self) -> None:
+        """Tell every member this node is leaving, so they drop it now rather than in seconds."""
+        node = self.node
+        notice = Leave(id=node.id, version=node.bump()).model_dump_json()
+        members = node.membership.up()
+        results = await asyncio.gather(*(self.http.post(m.record.url + "/mesh/leave", content=notice,
+                                                        headers=_headers(node), timeout=1.0)
+                                         for m in members), return_exceptions=True)
+        told = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200)
+        if members:
+            log.info("left the mesh: told %d of %d members", told, len(members))
+
+    def cancel(self) -> None:
+        for task in self._in_flight.values():
+            task.cancel()
+
+
+def _headers(node) -> dict[str, str]:
+    return {TOKEN_HEADER: node.config.token, "content-type": "application/json"}
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        return str(reply.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {reply.status_code}"

@@ -1,0 +1,237 @@
+"""This node as a member of the mesh: its identity and record, its table of the others, the choice of
+candidates for a request, and the life of its background tasks (heartbeats, discovery).
+
+It sees the local server only from outside: each model's id, format, ``worker.info`` and
+``worker.load()``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import Counter
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import httpx
+
+from mesh_llm.mesh.config import MeshConfig
+from mesh_llm.mesh.heartbeat import Heartbeater
+from mesh_llm.mesh.membership import Change, Membership
+from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord
+from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
+from mesh_llm.mesh.security import client_tls
+
+log = logging.getLogger("mesh_llm.mesh")
+
+
+class MeshNode:
+    def __init__(self, config: MeshConfig, models: list, url: str):
+        """``models``: the server's ``ServedModel`` list (empty for a client node); ``url``: this
+        node's API address as peers reach it."""
+        self.config = config
+        self.id = config.node_name or f"{socket.gethostname().split('.')[0][:48]}-{secrets.token_hex(3)}"
+        self.url = url.rstrip("/")
+        self.local = {m.id: m for m in models}
+        self.membership = Membership(self.id, config.down_after, config.forget_after)
+        self.affinity = Affinity()
+        self.join_urls = [u.rstrip("/") for u in config.join]
+        self.seeds: set[str] = set(self.join_urls)
+        self.streams = 0  # requests in progress through this node (served or relayed)
+        self.verify = client_tls(config.tls_ca) if self.url.startswith("https") or config.tls_ca else True
+        self._incarnation, self._seq, self._started = time.time_ns(), 0, time.time()
+        self._in_flight: Counter[tuple[str, str]] = Counter()  # (member, model) -> requests sent there
+        self._lost: dict[str, set[asyncio.Event]] = {}
+        self.http: httpx.AsyncClient | None = None
+        self._heartbeater: Heartbeater | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.discovery = None
+
+    # -- what this node says about itself --------------------------------------------------------------
+
+    def bump(self) -> tuple[int, int]:
+        self._seq += 1
+        return self._incarnation, self._seq
+
+    def record(self) -> NodeRecord:
+        models, capacity = [], Capacity(**_memory())
+        for served in self.local.values():
+            info = served.worker.info
+            if not served.worker.ready or info is None:
+                continue
+            models.append(ModelEntry(id=served.id, engine=info.engine, format=served.format,
+                                     context_length=info.context_length, created=served.created,
+                                     load=_load(served.worker)))
+            capacity = capacity.model_copy(update={
+                "device": info.device, "backend": info.backend,
+                "model_bytes": capacity.model_bytes + info.memory_bytes})
+        return NodeRecord(id=self.id, url=self.url, version=(self._incarnation, self._seq),
+                          started=self._started, client=not self.local, models=models, capacity=capacity,
+                          streams=self.streams)
+
+    def heartbeat(self) -> Heartbeat:
+        self.bump()
+        return Heartbeat(sender=self.record(), members=[m.record for m in self.membership.up()],
+                         left=self.membership.left())
+
+    # -- what others say -------------------------------------------------------------------------------
+
+    def take_heartbeat(self, beat: Heartbeat, reached: bool = False) -> Heartbeat:
+        """Merge a heartbeat (sent to us, or the answer to ours); returns our answer."""
+        changes = self.membership.merge_all([beat.sender, *beat.members], beat.left)
+        if reached:
+            changes.append(self.membership.reached(beat.sender.id))
+        self._report(changes)
+        return Heartbeat(sender=self.record(), members=[m.record for m in self.membership.up()],
+                         left=self.membership.left())
+
+    def take_leave(self, notice: Leave) -> None:
+        self._report([self.membership.leave(notice.id, notice.version)])
+
+    def sweep(self) -> None:
+        self._report(self.membership.sweep())
+
+    def _report(self, changes: list[Change | None]) -> None:
+        for change in filter(None, changes):
+            detail = f" ({change.detail})" if change.detail else ""
+            log.info("mesh: %s %s%s", change.id, change.kind, detail)
+            if change.kind in ("down", "left", "dropped"):
+                for event in self._lost.get(change.id, ()):
+                    event.set()
+
+    @contextmanager
+    def watch(self, member_id: str, model: str):
+        """An event set if the member goes down while a request is with it; counts the request
+        in the member's load until the next heartbeat says better."""
+        event = asyncio.Event()
+        if not self.membership.is_up(member_id):
+            event.set()
+        self._lost.setdefault(member_id, set()).add(event)
+        self._in_flight[member_id, model] += 1
+        try:
+            yield event
+        finally:
+            self._in_flight[member_id, model] -= 1
+            self._lost[member_id].discard(event)
+            if not self._lost[member_id]:
+                del self._lost[member_id]
+
+    # -- routing ---------------------------------------------------------------------------------------
+
+    def candidates(self, model: str, body: dict, target: str | None, exclude: frozenset[str]
+                   ) -> tuple[list[Candidate], str | None]:
+        """The nodes that serve ``model``, best first, and the request's prompt-prefix key."""
+        pool = []
+        served = self.local.get(model)
+        if served is not None and served.worker.ready:
+            load = _load(served.worker)
+            pool.append(Candidate(self.id, True, served.worker.info.context_length, load.active,
+                                  load.waiting, load.max_batch, load.free_kv))
+        for member in self.membership.up():
+            entry = next((e for e in member.record.models if e.id == model), None)
+            if entry is None:
+                continue
+            load, mine = entry.load, self._in_flight[member.id, model]
+            waiting = load.waiting + max(0, mine - load.active - load.waiting)
+            reachable = self.membership.unanswered(member) <= 2 * self.config.heartbeat_interval + 1
+            pool.append(Candidate(member.id, False, entry.context_length, load.active, waiting,
+                                  load.max_batch, load.free_kv, reachable))
+        prefix = prefix_key(model, body)
+        ranked = order(pool, need_tokens=estimate_tokens(body), prefix=prefix,
+                       affinity=self.affinity.get(prefix), target=target, exclude=exclude)
+        return ranked, prefix
+
+    def known(self, model: str) -> bool:
+        """Served here or by any member in the table, up or down."""
+        return model in self.local or any(e.id == model for m in self.membership.members()
+                                          for e in m.record.models)
+
+    def model_list(self) -> list[dict]:
+        """Every model in the mesh, OpenAI-style, each with the nodes that serve it."""
+        entries: dict[str, dict] = {}
+        for record in [self.record(), *sorted((m.record for m in self.membership.up()), key=lambda r: r.id)]:
+            for e in record.models:
+                item = entries.setdefault(e.id, {
+                    "id": e.id, "object": "model", "created": e.created, "owned_by": "mesh-llm",
+                    "engine": e.engine, "format": e.format, "context_length": e.context_length, "nodes": []})
+                item["nodes"].append(record.id)
+        for item in entries.values():
+            item["nodes"].sort()
+        return list(entries.values())
+
+    # -- life ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.http = httpx.AsyncClient(
+            verify=self.verify, trust_env=False,
+            timeout=httpx.Timeout(connect=self.config.connect_timeout, read=None, write=30,
+                                  pool=self.config.connect_timeout),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64))
+        self._heartbeater = Heartbeater(self, self.http)
+        self._tasks.append(asyncio.create_task(self._heartbeater.run(), name="mesh-heartbeat"))
+        if self.config.discover:
+            from mesh_llm.mesh.discovery import Discovery
+
+            self.discovery = Discovery(self)
+            try:
+                await self.discovery.start()
+            except OSError as exc:  # no multicast here: the node still serves, and --join still works
+                log.warning("mesh: --discover is not available here (%s); join with --join URL", exc)
+                await self.discovery.close()
+                self.discovery = None
+        if self.config.generated_token:
+            log.info("mesh token generated; join this mesh with:\n  mesh-llm serve --join %s --mesh-token %s",
+                     self.url, self.config.token)
+        log.info("mesh: node %s at %s%s", self.id, self.url,
+                 " (client: serves no model)" if not self.local else "")
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.discovery is not None:
+            await self.discovery.close()
+        if self._heartbeater is not None:
+            self._heartbeater.cancel()
+            await self._heartbeater.leave()
+        if self.http is not None:
+            await self.http.aclose()
+
+    def add_seed(self, url: str) -> None:
+        """An address to heartbeat until it answers (discovery finds these)."""
+        if url != self.url and all(m.record.url != url for m in self.membership.members()):
+            self.seeds.add(url)
+
+    def uptime(self) -> float:
+        return time.time() - self._started
+
+
+def _load(worker) -> Load:
+    reported = worker.load()
+    return Load(**{k: v for k, v in reported.items() if k in Load.model_fields and isinstance(v, int)})
+
+
+def _memory() -> dict:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"memory_total_bytes": total, "memory_available_bytes": available}
+
+
+def api_url(host: str, port: int, tls: bool) -> str:
+    """This node's API address for peers, from the address it listens on; a wildcard bind is
+    advertised under the machine's own address (``--advertise-url`` overrides it)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
+
+
+def url_host(url: str) -> str:
+    return urlsplit(url).hostname or ""

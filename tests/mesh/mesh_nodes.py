@@ -1,0 +1,144 @@
+"""Real mesh nodes on loopback for the mesh tests: `mesh-llm serve` processes (support.py's
+start_server), the same over HTTPS, and a stub peer that accepts connections and never answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from support import Server, free_port, start_server
+
+TOKEN = "mesh-test-token-0123456789abcdef"
+PEER = {"x-mesh-token": TOKEN}
+MODEL = "SmolLM2-135M-Instruct"
+# small contexts and caches: several nodes share this machine's memory
+LEAN = ["--engine", "llama", "--ctx-size", "2048", "--cache-bytes", "64M"]
+
+
+class Nodes:
+    """The nodes one test module starts; all stopped at its end."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.started: list[Server] = []
+
+    def start(self, name: str, *args: str, token: str = TOKEN, model: bool = True) -> Server:
+        flags = [*(LEAN if model else []), "--node-name", name, "--mesh-token", token, *args]
+        server = start_server(flags, self.folder / f"{name}-{len(self.started)}.log")
+        self.started.append(server)
+        return server
+
+    def stop_all(self) -> None:
+        for server in self.started:
+            server.stop()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2) -> float:
+    """Seconds until ``predicate()`` held; fails the test after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"not within {timeout}s: {what}")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def served_models(server: Server, headers: dict | None = None) -> dict[str, list[str]]:
+    """Model id -> the nodes serving it, as ``server``'s /v1/models lists them."""
+    reply = httpx.get(server.url + "/v1/models", headers=headers, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return {m["id"]: m["nodes"] for m in reply.json()["data"]}
+
+
+def chat(server: Server, model: str, content: str = "Say hi.", headers: dict | None = None,
+         max_tokens: int = 4, messages: list | None = None, timeout: float = 120) -> httpx.Response:
+    body = {"model": model, "messages": messages or [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
+
+
+def mesh_view(server: Server, token: str = TOKEN) -> dict[str, str]:
+    """Member id -> state, as ``server``'s /api/mesh reports them."""
+    reply = httpx.get(server.url + "/api/mesh", headers={"x-mesh-token": token}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return {m["id"]: m["state"] for m in reply.json()["members"]}
+
+
+class SilentPeer:
+    """A TCP port that accepts connections, reads what comes and never answers: a hung node.
+    ``held`` lists, per connection, the request line and how long the caller waited before it
+    closed the connection."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held: list[tuple[str, float]] = []
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._hold, args=(conn, time.monotonic()), daemon=True).start()
+
+    def _hold(self, conn: socket.socket, accepted: float) -> None:
+        data = b""
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            return
+        self.held.append((data.split(b"\r\n", 1)[0].decode(errors="replace"), time.monotonic() - accepted))
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self._conns:
+            conn.close()
+
+
+@dataclass
+class TLSServer(Server):
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+
+def start_tls_server(args: list[str], log: Path, ca_file: str, timeout: float = 120) -> TLSServer:
+    """start_server for a node that serves HTTPS: health is polled over TLS, verified by ``ca_file``."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mesh_llm", "serve", "--port", str(port), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    server = TLSServer(proc, port, log)
+    verify = ssl.create_default_context(cafile=ca_file)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{server.output()}")
+        try:
+            if httpx.get(server.url + "/health", verify=verify, timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    pytest.fail(f"server not healthy after {timeout}s:\n{server.output()}")
