@@ -104,7 +104,12 @@ def bench_command(
                     console.print(f"[{datetime.now():%H:%M:%S}] {what}", markup=False, highlight=False)
             progress.advance(task, steps)
 
-        records = runner(plan, out, update).run()
+        run = runner(plan, out, update)
+        try:
+            records, interrupted = run.run(), False
+        except KeyboardInterrupt:  # Ctrl-C or `timeout -s INT`: the servers are stopped; report what was measured
+            records, interrupted = run.records, True
+            console.print("[yellow]interrupted:[/] writing the results measured so far")
 
     summary = summarized(records, _settings_json(plan, started), describe(settings.llama_server))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -113,8 +118,10 @@ def bench_command(
     tables = Console(width=None if Console().is_terminal else 160 if levels else 140)
     for table in tabled(summary):
         tables.print(table)
-    console.print(f"results in {out}/ (results.jsonl, summary.json, {report.name}, "
-                  f"{', '.join(c.name for c in charts)}, logs/)")
+    files = ["results.jsonl", "summary.json", report.name, *(c.name for c in charts), "logs/"]
+    console.print(f"results in {out}/ ({', '.join(files)})")
+    if interrupted:
+        raise typer.Exit(130)
     if not any(r["ok"] for r in records if r["kind"] in ("run", "round")):
         raise typer.Exit(1)
 

@@ -39,9 +39,9 @@ def concurrency_tables(summary: dict) -> list[Table]:
     for e in summary["startup"]:
         startup.add_row(e["pair"], e["backend"], _configured(e["level"]), "yes" if e["ok"] else "[red]no",
                         fmt(_one(e["startup_ms"])), fmt(_one(e["ready_ms"])))
-    levels = Table("pair", "case", "backend", "streams", "rounds ok", "summed tok/s", "×1 (tok/s / p95)",
-                   "summed decode", "per stream", "TTFT p50 ms", "TTFT p95 ms", "tokens/round",
-                   title="concurrency: medians per level (report.md has the ranges)")
+    levels = Table("pair", "case", "backend", "N", "rounds", "sum tok/s", "vs ×1", "decode sum", "per stream",
+                   "TTFT p50", "TTFT p95", "tok/round",
+                   title="concurrency: medians per level (tok/s; ms; vs ×1: tok/s, TTFT p95; report.md has ranges)")
     for e in summary["levels"]:
         if e["rounds_ok"]:
             cells = [_median(e["throughput_tps"], 1), vs_one(e), _median(e["decode_tps"], 1),
@@ -78,6 +78,7 @@ def _header(summary: dict) -> list[str]:
          "HTTP, one backend at a time."),
         (f"- Levels: {levels} requests sent at once (one thread each, released together); per level and case "
          f"{s['warmup']} unrecorded warm-up round(s), then {s['runs']} recorded round(s)."),
+        *([f"- Note: {s['note']}"] if s.get("note") else []),
         ("- Each request starts with its own session tag: the N prompts of a round are distinct and of the same "
          "token length, so no stream reuses another's prompt from a cache beyond the chat template's first few "
          "tokens (the `cached` column)."),
