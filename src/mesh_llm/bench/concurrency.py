@@ -22,7 +22,7 @@ import httpx
 from mesh_llm.bench.backends import Backend, BackendError, Server
 from mesh_llm.bench.cases import Case, PromptBuilder
 from mesh_llm.bench.concurrency_summary import round_figures
-from mesh_llm.bench.measure import RequestError, measure, paired_usage
+from mesh_llm.bench.measure import Measured, RequestError, measure, paired_usage
 from mesh_llm.bench.runner import ModelPair, Plan, Runner
 from mesh_llm.bench.tokenizer import load_tokenizer
 
@@ -139,12 +139,7 @@ class _Rounds:
         begin = min(start for start, _, _ in outcomes)
         requests = []
         for i, ((start, measured, error), prompt, body) in enumerate(zip(outcomes, prompts, bodies)):
-            if measured is not None and measured.tokens_from == "none":
-                try:
-                    measured = paired_usage(self.client, self.server.url, body, runner.plan.request_timeout,
-                                            measured)
-                except _FAILURES as exc:
-                    measured, error = None, f"{type(exc).__name__}: {exc}"
+            measured, error = self._counted(measured, error, body)
             request = {"kind": "request", **key, "stream": i, "session": sessions[i], "ok": measured is not None,
                        "error": error, "eos": backend.eos, "max_tokens": max_tokens,
                        "prompt_tokens_target": case.prompt_tokens, "prompt_tokens_sent": prompt.tokens,
@@ -163,7 +158,16 @@ class _Rounds:
                 runner.record(**request)
             runner.record(kind="round", **key, **figures, error=error)
 
-    def _send(self, bodies: list[dict]) -> list[tuple[float, object, str | None]]:
+    def _counted(self, measured: Measured | None, error: str | None, body: dict) -> tuple[Measured | None, str | None]:
+        """A stream without usage gets its token counts now, from the same request unstreamed."""
+        if measured is None or measured.tokens_from != "none":
+            return measured, error
+        try:
+            return paired_usage(self.client, self.server.url, body, self.runner.plan.request_timeout, measured), None
+        except _FAILURES as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _send(self, bodies: list[dict]) -> list[tuple[float, Measured | None, str | None]]:
         """Stream every body at once, one thread each: (start time, Measured or None, error)."""
         gate = threading.Barrier(len(bodies))
         url, timeout = self.server.url, self.runner.plan.request_timeout
