@@ -10,10 +10,12 @@
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx     # GPU tests, MLX runs
 #   4. carry []                 bash benchmarks/gpu_session.sh llama   # llama-server and mesh-llm llama
 # or the concurrency matrix (`mesh-llm bench --concurrency`: 0.5B at 1, 8, 32 streams, 7B at 1, 8):
-#   3. carry [".device/b"]      bash benchmarks/gpu_session.sh conc-mlx      # mesh-mlx      (at most 8 min)
+#   3. carry [".device/b"]      bash benchmarks/gpu_session.sh conc-mlx      # mesh-mlx      (at most 9 min)
 #   4. carry []                 bash benchmarks/gpu_session.sh conc-mlx-lm   # mlx_lm.server (at most 6 min)
 #   5. carry []                 bash benchmarks/gpu_session.sh conc-llama    # llama-server, mesh-llama, merged
-#                                                                            # report and table (at most 9 min)
+#                                                                            # report and table (at most 8 min)
+# Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
+# device minutes with the machine's start and calls 1-2; at most 26.
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
 # still writes what it measured; $OUT gets results, summaries and logs, and the last call the merged
 # report.md, summary.json, results.jsonl and charts. RUNS (3), WARMUP (1) and MAX_TOKENS (256) can be set.
@@ -119,8 +121,8 @@ conc-mlx)
   source .device/b/install-mlx.sh
   export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
   mkdir -p "$conc"
-  run_conc qwen2.5-0.5b 1,8,32 mesh-mlx 270
-  run_conc qwen2.5-7b 1,8 mesh-mlx 150
+  run_conc qwen2.5-0.5b 1,8,32 mesh-mlx 240
+  run_conc qwen2.5-7b 1,8 mesh-mlx 130
   logs_to_out conc-mlx-logs.tar.gz
   ;;
 conc-mlx-lm)
