@@ -1,29 +1,93 @@
 #!/usr/bin/env bash
-# The H200 runs, in four device calls made back to back (the machine keeps /tmp while it is held).
+# The H200 runs, in device calls made back to back (the machine keeps /tmp while it is held).
 # Each call uploads at most 64 MiB, so the wheels and llama.cpp's source travel in separate calls
 # (../shared/device/README.md; fill .device/ first with `bash ../shared/device/prepare.sh`).
 #
-#   1. carry [".device/llama"]  bash benchmarks/gpu_session.sh build   # llama.cpp CUDA, in the background
+# Every session starts with:
+#   1. carry [".device/llama"]  bash benchmarks/gpu_session.sh build   # llama.cpp CUDA and both models, in the background
 #   2. carry [".device/a"]      bash benchmarks/gpu_session.sh stage
-#   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx     # GPU tests, models, MLX runs
-#   4. carry [".device/lcp"]    bash benchmarks/gpu_session.sh llama   # llama-server and mesh-llm llama
+# then either the single-stream matrix, GPU tests and prompt cache:
+#   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx     # GPU tests, MLX runs
+#   4. carry []                 bash benchmarks/gpu_session.sh llama   # llama-server and mesh-llm llama
+# or the concurrency matrix (`mesh-llm bench --concurrency`: 0.5B at 1, 8, 32 streams, 7B at 1, 8):
+#   3. carry [".device/b"]      bash benchmarks/gpu_session.sh conc-mlx      # mesh-mlx      (at most 9 min)
+#   4. carry []                 bash benchmarks/gpu_session.sh conc-mlx-lm   # mlx_lm.server (at most 6 min)
+#   5. carry []                 bash benchmarks/gpu_session.sh conc-llama    # llama-server, mesh-llama, merged
+#                                                                            # report and table (at most 8 min)
+# Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
+# device minutes with the machine's start and calls 1-2; at most 26.
+# Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
+# still writes what it measured; $OUT gets results, summaries and logs, and the last call the merged
+# report.md, summary.json, results.jsonl and charts. RUNS (3), WARMUP (1) and MAX_TOKENS (256) can be set.
 #
-# .device/lcp is llama-cpp-python's Python part (its CPU libraries left out): the mesh-llm llama
-# engine loads the CUDA libllama.so through LLAMA_CPP_LIB_PATH.
+# mesh-llm's llama engine imports numpy before llama_cpp, and with the CUDA build that order crashes at
+# model load (../shared/NOTES.md). The llama steps load llama_cpp first in every Python process they
+# start, through a sitecustomize.py, until the engine is fixed (LLAMA_IMPORT_FIRST=0 turns it off).
 set -euo pipefail
 step=$1
 root=$PWD
 models=/tmp/models
+conc=/tmp/conc
 pair() { echo "$models/$1-mlx,$models/$1.gguf"; }
+
+wait_model() {  # $1 shape: wait for the pair the build step is writing, or write it now
+  if [ ! -f "$models/$1.done" ] && [ -f "$models/synth.pid" ]; then
+    while kill -0 "$(cat "$models/synth.pid")" 2>/dev/null && [ ! -f "$models/$1.done" ]; do sleep 2; done
+  fi
+  if [ ! -f "$models/$1.done" ]; then
+    python3 -m mesh_llm.bench.synth "$1" "$models" --vocab /tmp/vocab/ggml-vocab-qwen2.gguf
+    touch "$models/$1.done"
+  fi
+}
+
+llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-cpp-python sdist
+  for _ in $(seq 1 90); do [ -x /tmp/llama-cuda/bin/llama-server ] && break; sleep 5; done
+  [ -x /tmp/llama-cuda/bin/llama-server ] || { echo "no llama-server yet:"; tail -20 /tmp/llama-build.log; exit 1; }
+  tail -3 /tmp/llama-build.log
+  export PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
+    LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
+  if [ "${LLAMA_IMPORT_FIRST:-1}" = 1 ]; then
+    mkdir -p /tmp/llama-first
+    printf 'try:\n    import llama_cpp  # before numpy: see benchmarks/gpu_session.sh\nexcept Exception:\n    pass\n' \
+      > /tmp/llama-first/sitecustomize.py
+    export PYTHONPATH=/tmp/llama-first:$PYTHONPATH
+  fi
+}
+
+run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency` run, stopped at its budget
+  local shape=$1 levels=$2 backends=$3 out=$conc/$1-$step
+  local budget=$(( $4 * ${CONC_BUDGET_SCALE:-1} ))
+  wait_model "$shape"
+  echo "== $shape, $backends, streams $levels (at most $budget s)"
+  timeout -s INT -k 30 "$budget" python3 -m mesh_llm bench --concurrency "$levels" --model-pair "$(pair "$shape")" \
+    --backends "$backends" --runs "${RUNS:-3}" --warmup "${WARMUP:-1}" --max-tokens "${MAX_TOKENS:-256}" \
+    --ctx-size 2048 --out "$out" ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} > "$out.log" 2>&1 || true
+  grep -E 'error|interrupted|Traceback' "$out.log" | tail -5 || true
+  sed -n '/concurrency: medians per level/,$p' "$out.log"
+  if [ "$step" != conc-llama ] && [ -f "$out/results.jsonl" ]; then  # conc-llama merges them all below
+    cp "$out/results.jsonl" "$OUT/$shape-$step-results.jsonl"
+    cp "$out/summary.json" "$OUT/$shape-$step-summary.json" 2>/dev/null || true
+  fi
+}
+
+logs_to_out() {  # every server log and bench log so far, as one file
+  (cd "$conc" && tar czf "$OUT/$1" ./*.log ./*/logs) || true
+}
 
 case $step in
 build)
-  mkdir -p /tmp/vocab /tmp/dl/.device && cp .device/llama/ggml-vocab-qwen2.gguf /tmp/vocab/
+  mkdir -p /tmp/vocab /tmp/dl/.device "$models" && cp .device/llama/ggml-vocab-qwen2.gguf /tmp/vocab/
   cp -r .device/llama /tmp/dl/.device/llama
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/llama/gguf-*.whl \
     .device/llama/diskcache-*.whl
   (cd /tmp/dl && setsid nohup bash .device/llama/build-llama.sh > /tmp/llama-build.log 2>&1 &)
   echo "llama.cpp build started"
+  # the random-weight models, from a copy of the code (the next calls replace the working tree)
+  rm -rf /tmp/synth-src && cp -r src /tmp/synth-src
+  (cd /tmp && PYTHONPATH=/tmp/synth-src:/tmp/site setsid nohup bash -c 'for shape in qwen2.5-0.5b qwen2.5-7b; do
+      python3 -m mesh_llm.bench.synth $shape /tmp/models --vocab /tmp/vocab/ggml-vocab-qwen2.gguf &&
+        touch /tmp/models/$shape.done; done' > /tmp/models.log 2>&1 & echo $! > "$models/synth.pid")
+  echo "models started"
   ;;
 stage)
   bash .device/a/stage.sh
@@ -34,10 +98,7 @@ mlx)
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/engines/test_mlx.py tests/engines/test_mlx_gpu.py} \
     -s 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 || true
-  for shape in qwen2.5-0.5b qwen2.5-7b; do
-    [ -f "$models/$shape.gguf" ] || python3 -m mesh_llm.bench.synth "$shape" "$models" \
-      --vocab /tmp/vocab/ggml-vocab-qwen2.gguf
-  done
+  for shape in qwen2.5-0.5b qwen2.5-7b; do wait_model "$shape"; done
   python3 -m mesh_llm bench --model-pair "$(pair qwen2.5-0.5b)" --model-pair "$(pair qwen2.5-7b)" \
     --backends mesh-mlx --runs 3 --out /tmp/bench-mlx 2>&1 | tail -30
   cp /tmp/bench-mlx/results.jsonl "$OUT/mlx-results.jsonl"
@@ -48,16 +109,47 @@ mlx)
   fi
   ;;
 llama)
-  for _ in $(seq 1 120); do [ -x /tmp/llama-cuda/bin/llama-server ] && break; sleep 5; done
-  tail -3 /tmp/llama-build.log
-  export PYTHONPATH=$root/src:/tmp/site:$root/.device/lcp LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin \
-    PYTHONUNBUFFERED=1
+  llama_env
   python3 -m mesh_llm bench --model-pair "$(pair qwen2.5-0.5b)" --model-pair "$(pair qwen2.5-7b)" \
     --backends llama-server,mesh-llama --llama-server /tmp/llama-cuda/bin/llama-server --runs 3 \
     --out /tmp/bench-llama 2>&1 | tail -30
   cp /tmp/bench-llama/results.jsonl "$OUT/llama-results.jsonl"
   cp /tmp/bench-llama/summary.json "$OUT/llama-summary.json"
   tail -c 2000 /tmp/bench-llama/logs/*mesh-llama* 2>/dev/null || true
+  ;;
+conc-mlx)
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mkdir -p "$conc"
+  run_conc qwen2.5-0.5b 1,8,32 mesh-mlx 240
+  run_conc qwen2.5-7b 1,8 mesh-mlx 130
+  logs_to_out conc-mlx-logs.tar.gz
+  ;;
+conc-mlx-lm)
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mkdir -p "$conc"
+  run_conc qwen2.5-0.5b 1,8,32 mlx-lm 150
+  run_conc qwen2.5-7b 1,8 mlx-lm 150
+  logs_to_out conc-mlx-lm-logs.tar.gz
+  ;;
+conc-llama)
+  llama_env
+  mkdir -p "$conc"
+  LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
+  run_conc qwen2.5-0.5b 1,8,32 llama-server,mesh-llama 240
+  run_conc qwen2.5-7b 1,8 llama-server,mesh-llama 180
+  # one report of every concurrency run of this session (the llama runs first: their machine notes
+  # name the llama-server build), its table printed last
+  mapfile -t runs < <(ls -d "$conc"/*-conc-llama "$conc"/*-conc-mlx "$conc"/*-conc-mlx-lm 2>/dev/null)
+  summaries=() results=()
+  for d in "${runs[@]}"; do
+    [ -f "$d/summary.json" ] && summaries+=(--settings-from "$d/summary.json")
+    [ -f "$d/results.jsonl" ] && results+=("$d/results.jsonl")
+  done
+  cat "${results[@]}" > "$OUT/results.jsonl"
+  logs_to_out logs.tar.gz
+  python3 benchmarks/report_from_results.py "$OUT" "${summaries[@]}" "${results[@]}" \
+    --note "H200; random-weight Qwen2.5 shapes at float16; qwen2.5-0.5b at 1, 8 and 32 streams, qwen2.5-7b at 1 and 8; ${MAX_TOKENS:-256} tokens per request; see benchmarks/gpu_session.sh"
   ;;
 *)
   echo "unknown step $step"; exit 2 ;;

@@ -1,7 +1,11 @@
-"""Rebuild summary.json, report.md and the charts of `mesh-llm bench` from results.jsonl files, e.g.
-when one benchmark was run in several device calls (benchmarks/gpu_session.sh).
+"""Rebuild summary.json, report.md and the charts of `mesh-llm bench` (or `mesh-llm bench --concurrency`)
+from results.jsonl files, e.g. when one benchmark was run in several device calls
+(benchmarks/gpu_session.sh), and print its tables.
 
-    python benchmarks/report_from_results.py OUT_DIR --settings-from SUMMARY.json RESULTS.jsonl...
+    python benchmarks/report_from_results.py OUT_DIR --settings-from SUMMARY.json [--settings-from ...] RESULTS.jsonl...
+
+The settings and machine are those of the first --settings-from; the backends and model pairs of all of
+them are listed.
 """
 
 from __future__ import annotations
@@ -10,8 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
-from mesh_llm.bench.charts import write_charts
-from mesh_llm.bench.report import write_report
+from rich.console import Console
+
+from mesh_llm.bench.charts import write_charts, write_concurrency_charts
+from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report
+from mesh_llm.bench.concurrency_summary import summarize_levels
+from mesh_llm.bench.report import console_tables, write_report
 from mesh_llm.bench.summary import summarize
 
 
@@ -19,17 +27,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("results", type=Path, nargs="+")
-    parser.add_argument("--settings-from", type=Path, required=True,
-                        help="a summary.json whose settings and environment describe the runs")
+    parser.add_argument("--settings-from", type=Path, required=True, action="append",
+                        help="a summary.json whose settings and environment describe the runs (repeatable)")
     parser.add_argument("--note", default="", help="added to the settings as 'note'")
     args = parser.parse_args()
     records = [json.loads(line) for path in args.results for line in path.read_text().splitlines() if line]
-    base = json.loads(args.settings_from.read_text())
-    settings = {**base["settings"], **({"note": args.note} if args.note else {})}
-    summary = summarize(records, settings, base["environment"])
+    bases = [json.loads(path.read_text()) for path in args.settings_from]
+    settings = {**bases[0]["settings"], **({"note": args.note} if args.note else {})}
+    for field in ("backends", "pairs"):
+        merged = {item["name"]: item for base in bases for item in base["settings"][field]}
+        settings[field] = list(merged.values())
+    levels = any(r["kind"] in ("round", "request") for r in records)
+    summary = (summarize_levels if levels else summarize)(records, settings, bases[0]["environment"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(write_report(summary, args.out, write_charts(summary, args.out)))
+    charts = (write_concurrency_charts if levels else write_charts)(summary, args.out)
+    report = (write_concurrency_report if levels else write_report)(summary, args.out, charts)
+    console = Console(width=160)
+    for table in (concurrency_tables if levels else console_tables)(summary):
+        console.print(table)
+    print(report)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,16 @@ def run_until_eos(engine, prompt, limit=40) -> tuple[list[int], int]:
         assert len(tokens) < limit, "no end-of-turn token"
     gen.close()
     return tokens, cached
+
+
+def processes_using(path: Path) -> list[str]:
+    """The command lines of running processes that name ``path`` (servers a test should have stopped)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in text:
+            found.append(text)
+    return found

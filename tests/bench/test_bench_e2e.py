@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 from matplotlib.image import imread
+
+from support import processes_using
 
 from mesh_llm import children
 
@@ -37,18 +38,6 @@ def bench(tmp_path_factory, tiny_pair):
     done = children.run(argv, capture_output=True, text=True, timeout=1200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done
-
-
-def _processes_using(path: Path) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(path) in text:
-            found.append(text)
-    return found
 
 
 @pytest.mark.slow
@@ -125,4 +114,4 @@ def test_report_charts_logs_and_console(bench):
 
 @pytest.mark.slow
 def test_no_server_is_left_running(bench, tiny_pair):
-    assert _processes_using(tiny_pair.mlx) == [] and _processes_using(tiny_pair.gguf) == []
+    assert processes_using(tiny_pair.mlx) == [] and processes_using(tiny_pair.gguf) == []

@@ -5,11 +5,19 @@ killed with the harness if the harness dies: ``mesh_llm.children``), started on 
 with the same thread count and context size, and stopped by its own process id: SIGINT, then SIGKILL
 after a grace period. Flags are those of the installed packages:
 ``mlx_lm/server.py`` (mlx-lm 0.32), ``llama_cpp/server/settings.py`` (llama-cpp-python 0.3) and
-llama.cpp's ``llama-server``.
+llama.cpp's ``llama-server`` (``common/arg.cpp``).
+
+With ``Settings.concurrency`` set (``mesh-llm bench --concurrency``), a server that has a setting
+for how many requests it decodes at once is configured for that many: llama-server ``-np N`` with
+``-c`` = N x the context (each slot gets the context), mlx_lm.server ``--decode-concurrency N``,
+mesh-llm ``--max-batch N`` where this mesh-llm has it. llama_cpp.server has none (one request at a
+time) and is started with ``--interrupt_requests false``: by default it ends a stream early whenever
+another request is waiting.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -17,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -43,6 +51,7 @@ class Settings:
     ctx_size: int
     llama_server: Path | None = None  # llama.cpp's own server binary, when given
     startup_timeout: float = 900.0
+    concurrency: int | None = None  # streams at once (--concurrency); None: the single-stream matrix
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,13 @@ class Backend:
         words[argv.index("--port") + 1] = "PORT"
         return " ".join(words)
 
+    def restarts_per_level(self, settings: Settings) -> bool:
+        """Whether its command line depends on the number of streams: then ``--concurrency`` starts it
+        anew for each level, configured for it; otherwise once for all levels."""
+        def argv(n: int) -> list[str]:
+            return self.argv(Path("MODEL"), 0, replace(settings, concurrency=n))
+        return argv(1) != argv(2)
+
     def eos_fields(self, max_tokens: int, eos_ids: list[int]) -> dict:
         if self.eos == "ignore_eos":
             return {"ignore_eos": True}
@@ -76,30 +92,47 @@ class Backend:
 
 def _mesh(engine: str):
     def argv(model: Path, port: int, s: Settings) -> list[str]:
+        batch = ["--max-batch", str(s.concurrency)] if s.concurrency and mesh_takes_max_batch() else []
         return [sys.executable, "-m", "mesh_llm", "serve", "--model", str(model), "--engine", engine,
                 "--host", "127.0.0.1", "--port", str(port), "--threads", str(s.threads),
-                "--ctx-size", str(s.ctx_size)]
+                "--ctx-size", str(s.ctx_size), *batch]
     return argv
+
+
+@functools.cache
+def mesh_takes_max_batch() -> bool:
+    """Whether this mesh-llm's ``serve`` has ``--max-batch`` (continuous batching); without it, it
+    decodes one request at a time. Asked of the command itself, as the harness imports nothing of it."""
+    done = subprocess.run([sys.executable, "-m", "mesh_llm", "serve", "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}, timeout=120, check=False)
+    return "--max-batch" in done.stdout
 
 
 def _mlx_lm(fast_blas: bool):
     def argv(model: Path, port: int, s: Settings) -> list[str]:
         launcher = ["-c", _MLX_LM_FAST_BLAS] if fast_blas else ["-m", "mlx_lm.server"]
-        return [sys.executable, *launcher, "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        # Its prompt batch (default 8) also raises its decode batch to at least that: cap it at N.
+        batch = (["--decode-concurrency", str(s.concurrency), "--prompt-concurrency", str(min(s.concurrency, 8))]
+                 if s.concurrency else [])
+        return [sys.executable, *launcher, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+                *batch]
     return argv
 
 
 def _llama_cpp_python(model: Path, port: int, s: Settings) -> list[str]:
+    queue = ["--interrupt_requests", "false"] if s.concurrency else []
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--n_threads", str(s.threads), "--n_threads_batch", str(s.threads),
-            "--n_ctx", str(s.ctx_size), "--n_gpu_layers", "-1"]
+            "--n_ctx", str(s.ctx_size), "--n_gpu_layers", "-1", *queue]
 
 
 def _llama_server(model: Path, port: int, s: Settings) -> list[str]:
     if s.llama_server is None:
         raise ValueError("llama-server needs --llama-server PATH")
+    slots = s.concurrency or 1  # without --kv-unified, -c is shared out among the slots
     return [str(s.llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(s.threads), "-tb", str(s.threads), "-c", str(s.ctx_size), "-np", "1", "-ngl", "999"]
+            "-t", str(s.threads), "-tb", str(s.threads), "-c", str(s.ctx_size * slots), "-np", str(slots),
+            "-ngl", "999"]
 
 
 BACKENDS = {b.name: b for b in [

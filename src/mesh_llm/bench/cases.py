@@ -60,7 +60,13 @@ CACHE_CASES = [
          extends="cache-base"),
 ]
 
-CASE_SETS = {"default": DEFAULT_CASES, CACHE_SEQUENCE: CACHE_CASES}
+# `--concurrency`: N of these at once, each with its own session tag, so no stream reuses another's prompt.
+CONCURRENCY_CASES = [
+    Case("briefing-640", "Here is this week's project briefing.\n\n{context}\n\nSummarize the briefing "
+         "for an executive in five bullet points.", context="briefing", prompt_tokens=640),
+]
+
+CASE_SETS = {"default": DEFAULT_CASES, CACHE_SEQUENCE: CACHE_CASES, "concurrency": CONCURRENCY_CASES}
 
 
 def load_cases(names: list[str]) -> list[Case]:

@@ -1,4 +1,5 @@
-"""``mesh-llm bench``: run the backend matrix and write results, summary, report and charts.
+"""``mesh-llm bench``: run the backend matrix (or, with ``--concurrency``, N streams at once per level)
+and write results, summary, report and charts.
 
 Registered in ``mesh_llm.cli`` as ``app.command("bench")(bench_command)``.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mesh_llm import children
 from mesh_llm.bench.backends import BACKENDS, DEFAULT_BACKENDS, Settings
-from mesh_llm.bench.cases import load_cases
+from mesh_llm.bench.cases import MAIN, load_cases
+from mesh_llm.bench.concurrency import ConcurrencyPlan, ConcurrencyRunner
 from mesh_llm.bench.runner import ModelPair, Plan, Runner
 
 console = Console(stderr=True)
@@ -30,10 +33,16 @@ def bench_command(
     backends: list[str] = typer.Option([], "--backends", help="Backends to run, comma-separated or repeated: "
                                        f"{', '.join(BACKENDS)}. Default: {', '.join(DEFAULT_BACKENDS)}, plus "
                                        "llama-server with --llama-server."),
-    cases: list[str] = typer.Option([], "--cases", help="default, cache-sequence or a FILE.json; repeatable. "
-                                    "Default: both sets."),
-    runs: int = typer.Option(3, min=1, help="Recorded runs per case, and starts per backend."),
-    warmup: int = typer.Option(1, min=0, help="Unrecorded warm-up requests per case (main phase only)."),
+    cases: list[str] = typer.Option([], "--cases", help="default, cache-sequence, concurrency or a FILE.json; "
+                                    "repeatable. Default: default and cache-sequence; with --concurrency, "
+                                    "concurrency (a 640-token prompt)."),
+    concurrency: str | None = typer.Option(None, help="Stream counts, e.g. 1,4,8,16,32: per level N, N requests "
+                                           "sent at once, each backend configured for N where it has a setting; "
+                                           "summed tok/s, per-stream tok/s and TTFT p50/p95 per level."),
+    runs: int = typer.Option(3, min=1, help="Recorded runs per case (--concurrency: rounds per level), and "
+                             "starts per backend."),
+    warmup: int = typer.Option(1, min=0, help="Unrecorded warm-up requests per case (main phase only; "
+                               "--concurrency: rounds per level)."),
     max_tokens: int = typer.Option(64, min=1, help="Tokens per request, unless a case sets its own."),
     threads: int | None = typer.Option(None, min=1, help="Threads for every backend (default: physical cores)."),
     ctx_size: int = typer.Option(4096, min=256, help="Context size for every backend that takes one."),
@@ -43,7 +52,9 @@ def bench_command(
     startup_timeout: float = typer.Option(900.0, help="Seconds a backend may take to serve its first completion."),
 ) -> None:
     """Benchmark mesh-llm's engines against mlx-lm's and llama.cpp's own servers, side by side."""
-    from mesh_llm.bench.charts import write_charts  # matplotlib: loaded only when benchmarking
+    from mesh_llm.bench.charts import write_charts, write_concurrency_charts  # matplotlib: when benchmarking
+    from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report
+    from mesh_llm.bench.concurrency_summary import summarize_levels
     from mesh_llm.bench.environment import describe, physical_cores
     from mesh_llm.bench.report import console_tables, write_report
     from mesh_llm.bench.summary import summarize
@@ -58,7 +69,10 @@ def bench_command(
             raise ValueError("the llama-server backend needs --llama-server PATH")
         if llama_server is not None and not llama_server.is_file():
             raise ValueError(f"--llama-server {llama_server} is not a file")
-        case_list = load_cases(cases or ["default", "cache-sequence"])
+        levels = _parse_levels(concurrency) if concurrency is not None else ()
+        case_list = load_cases(cases or (["concurrency"] if levels else ["default", "cache-sequence"]))
+        if levels and any(c.phase != MAIN or c.extends for c in case_list):
+            raise ValueError("--concurrency runs main-phase cases that extend no other case")
         pairs = [_parse_pair(p) for p in model_pair] or [_default_pair()]
     except ValueError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
@@ -70,8 +84,14 @@ def bench_command(
     settings = Settings(threads=threads or physical_cores(), ctx_size=ctx_size,
                         llama_server=llama_server.resolve() if llama_server else None,
                         startup_timeout=startup_timeout)
-    plan = Plan(pairs, [BACKENDS[n] for n in names], case_list, settings, runs=runs, warmup=warmup,
-                max_tokens=max_tokens, request_timeout=request_timeout)
+    common = {"runs": runs, "warmup": warmup, "max_tokens": max_tokens, "request_timeout": request_timeout}
+    if levels:
+        plan = ConcurrencyPlan(pairs, [BACKENDS[n] for n in names], case_list, settings, levels=levels, **common)
+    else:
+        plan = Plan(pairs, [BACKENDS[n] for n in names], case_list, settings, **common)
+    runner, summarized, charted, reported, tabled = (
+        (ConcurrencyRunner, summarize_levels, write_concurrency_charts, write_concurrency_report, concurrency_tables)
+        if levels else (Runner, summarize, write_charts, write_report, console_tables))
     total = len(pairs) * len(plan.backends) * plan.requests_per_backend()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
@@ -84,19 +104,36 @@ def bench_command(
                     console.print(f"[{datetime.now():%H:%M:%S}] {what}", markup=False, highlight=False)
             progress.advance(task, steps)
 
-        records = Runner(plan, out, update).run()
+        run = runner(plan, out, update)
+        try:
+            records, interrupted = run.run(), False
+        except KeyboardInterrupt:  # Ctrl-C or `timeout -s INT`: the servers are stopped; report what was measured
+            records, interrupted = run.records, True
+            console.print("[yellow]interrupted:[/] writing the results measured so far")
 
-    summary = summarize(records, _settings_json(plan, started), describe(settings.llama_server))
+    summary = summarized(records, _settings_json(plan, started), describe(settings.llama_server))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    charts = write_charts(summary, out)
-    report = write_report(summary, out, charts)
-    tables = Console(width=None if Console().is_terminal else 140)
-    for table in console_tables(summary):
+    charts = charted(summary, out)
+    report = reported(summary, out, charts)
+    tables = Console(width=None if Console().is_terminal else 160 if levels else 140)
+    for table in tabled(summary):
         tables.print(table)
-    console.print(f"results in {out}/ (results.jsonl, summary.json, {report.name}, "
-                  f"{', '.join(c.name for c in charts)}, logs/)")
-    if not any(r["ok"] for r in records if r["kind"] == "run"):
+    files = ["results.jsonl", "summary.json", report.name, *(c.name for c in charts), "logs/"]
+    console.print(f"results in {out}/ ({', '.join(files)})")
+    if interrupted:
+        raise typer.Exit(130)
+    if not any(r["ok"] for r in records if r["kind"] in ("run", "round")):
         raise typer.Exit(1)
+
+
+def _parse_levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(dict.fromkeys(int(n) for n in text.split(",") if n.strip()))
+    except ValueError:
+        raise ValueError(f"--concurrency {text!r}: expected stream counts such as 1,4,8") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency {text!r}: expected stream counts of at least 1, such as 1,4,8")
+    return levels
 
 
 def _parse_pair(text: str) -> ModelPair:
@@ -134,7 +171,7 @@ def _default_pair() -> ModelPair:
 
 def _settings_json(plan: Plan, started: datetime) -> dict:
     s = plan.settings
-    return {
+    settings = {
         "started": started.isoformat(timespec="seconds"), "finished": datetime.now().isoformat(timespec="seconds"),
         "threads": s.threads, "ctx_size": s.ctx_size, "runs": plan.runs, "warmup": plan.warmup,
         "max_tokens": plan.max_tokens, "cases": [vars(c) for c in plan.cases],
@@ -143,3 +180,10 @@ def _settings_json(plan: Plan, started: datetime) -> dict:
         "backends": [{"name": b.name, "serves": b.serves, "eos": b.eos, "command": b.command(s)}
                      for b in plan.backends],
     }
+    if isinstance(plan, ConcurrencyPlan):  # commands as started for the highest level
+        top = replace(s, concurrency=max(plan.levels))
+        settings["levels"] = list(plan.levels)
+        settings["backends"] = [{"name": b.name, "serves": b.serves, "eos": b.eos,
+                                 "per_level": b.restarts_per_level(s), "command": b.command(top)}
+                                for b in plan.backends]
+    return settings

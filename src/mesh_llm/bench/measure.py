@@ -4,14 +4,15 @@ TTFT is the time to the first non-empty content delta (a role-only first chunk i
 decode rate counts the tokens after the first over the time from that delta to the end of the stream
 (not to the last delta: a server that sends its tokens in bursts would look faster than it is).
 Token counts come from the stream's ``usage``; a server that sends none in a stream is asked the
-same request again without streaming, and that answer's ``usage`` is used.
+same request again without streaming, and that answer's ``usage`` is used (``count_later``: by the
+caller, once the concurrent streams it is timing have ended).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -28,11 +29,11 @@ class Measured:
     completion_tokens: int | None
     cached_tokens: int | None
     decode_tps: float | None
-    tokens_from: str  # "usage" (in the stream) or "paired" (a second, non-streamed request)
+    tokens_from: str  # "usage" (in the stream), "paired" (a second, non-streamed request) or "none" (yet)
     finish_reason: str | None
 
 
-def measure(client: httpx.Client, url: str, body: dict, timeout: float) -> Measured:
+def measure(client: httpx.Client, url: str, body: dict, timeout: float, count_later: bool = False) -> Measured:
     """Send ``body`` streamed to ``url``/v1/chat/completions and time it."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     first = None
@@ -57,22 +58,16 @@ def measure(client: httpx.Client, url: str, body: dict, timeout: float) -> Measu
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings  # llama-server: cache_n = prompt tokens reused
     end = time.perf_counter()
-    tokens_from = "usage"
-    if usage is None:
-        usage, tokens_from = _paired_usage(client, url, body, timeout), "paired"
-    completion = usage.get("completion_tokens")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is None and timings is not None:
-        cached = timings.get("cache_n")
-    decode = None
-    if completion and completion > 1 and first is not None and end > first:
-        decode = (completion - 1) / (end - first)
-    return Measured(ttft_ms=None if first is None else (first - t0) * 1000, total_ms=(end - t0) * 1000,
-                    prompt_tokens=usage.get("prompt_tokens"), completion_tokens=completion,
-                    cached_tokens=cached, decode_tps=decode, tokens_from=tokens_from, finish_reason=finish)
+    timed = Measured(ttft_ms=None if first is None else (first - t0) * 1000, total_ms=(end - t0) * 1000,
+                     prompt_tokens=None, completion_tokens=None, cached_tokens=None, decode_tps=None,
+                     tokens_from="none", finish_reason=finish)
+    if usage is not None:
+        return _counted(timed, usage, timings, "usage")
+    return timed if count_later else paired_usage(client, url, body, timeout, timed)
 
 
-def _paired_usage(client: httpx.Client, url: str, body: dict, timeout: float) -> dict:
+def paired_usage(client: httpx.Client, url: str, body: dict, timeout: float, timed: Measured) -> Measured:
+    """``timed`` with the token counts of the same request sent again without streaming (not timed)."""
     plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     r = client.post(url + "/v1/chat/completions", json=plain, timeout=timeout)
     if r.status_code != 200:
@@ -80,4 +75,16 @@ def _paired_usage(client: httpx.Client, url: str, body: dict, timeout: float) ->
     usage = r.json().get("usage")
     if not usage:
         raise RequestError("the server reports no usage, streamed or not")
-    return usage
+    return _counted(timed, usage, None, "paired")
+
+
+def _counted(timed: Measured, usage: dict, timings: dict | None, tokens_from: str) -> Measured:
+    completion = usage.get("completion_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None and timings is not None:
+        cached = timings.get("cache_n")
+    decode = None
+    if completion and completion > 1 and timed.ttft_ms is not None and timed.total_ms > timed.ttft_ms:
+        decode = (completion - 1) / ((timed.total_ms - timed.ttft_ms) / 1000)
+    return replace(timed, prompt_tokens=usage.get("prompt_tokens"), completion_tokens=completion,
+                   cached_tokens=cached, decode_tps=decode, tokens_from=tokens_from)

@@ -55,21 +55,25 @@ def _errors(runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["error"] for r in runs if not r["ok"] and r.get("error")))
 
 
-def winners(entries: list[dict]) -> list[dict]:
-    """Per pair, phase, case and metric: the best backend by median, and how each other backend
-    compares (``ratio`` >= 1: how many times slower, or fewer tokens per second, than the winner)."""
+def winners(entries: list[dict], metrics: dict[str, bool] = METRICS,
+            keys: tuple[str, ...] = ("pair", "phase", "case"),
+            value=lambda entry, metric: entry[metric] and entry[metric]["median"]) -> list[dict]:
+    """Per group of ``keys`` (pair, phase, case) and metric: the best backend by ``value`` (the median),
+    and how each other backend compares (``ratio`` >= 1: how many times slower, or fewer tokens per
+    second, than the winner)."""
     groups: dict[tuple, list[dict]] = {}
     for e in entries:
-        groups.setdefault((e["pair"], e["phase"], e["case"]), []).append(e)
+        groups.setdefault(tuple(e[k] for k in keys), []).append(e)
     out = []
-    for (pair, phase, case), group in groups.items():
-        for metric, lower in METRICS.items():
-            values = {e["backend"]: e[metric]["median"] for e in group if e[metric] and e[metric]["median"]}
+    for key, group in groups.items():
+        for metric, lower in metrics.items():
+            values = {e["backend"]: value(e, metric) for e in group}
+            values = {b: v for b, v in values.items() if v}
             if not values:
                 continue
             ranked = sorted(values, key=values.get, reverse=not lower)
             best = values[ranked[0]]
             ratios = {b: round(values[b] / best if lower else best / values[b], 2) for b in ranked[1:]}
-            out.append({"pair": pair, "phase": phase, "case": case, "metric": metric, "winner": ranked[0],
-                        "value": best, "ratios": ratios})
+            out.append({**dict(zip(keys, key)), "metric": metric, "winner": ranked[0], "value": best,
+                        "ratios": ratios})
     return out
