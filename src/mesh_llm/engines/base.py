@@ -40,6 +40,20 @@ class EngineOptions:
     cache_entries: int = 64  # most states the prompt cache keeps
 
 
+@runtime_checkable
+class Constraint(Protocol):
+    """Limits which tokens one sequence may sample (a JSON schema, a tool call's grammar). The engine
+    asks for the mask before sampling each of the sequence's tokens and reports the token it chose."""
+
+    def mask(self) -> np.ndarray | None:
+        """Allowed next tokens: a bool array over the tokenizer's vocabulary, or None for any token."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """The sequence sampled ``token``."""
+        ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. ``temperature == 0`` is greedy; ``logprobs`` is the number of
@@ -51,6 +65,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0: disabled
     seed: int | None = None
     logprobs: int | None = None
+    constraint: Constraint | None = field(default=None, compare=False)  # per sequence, stateful
 
 
 @dataclass(frozen=True)
