@@ -47,6 +47,14 @@ def lark_grammar(lark: str) -> str:
     return llg.LLMatcher.grammar_from_lark(lark)
 
 
+def check_grammar(grammar: str) -> None:
+    """:class:`GrammarError` unless ``grammar`` compiles (no tokenizer needed: a malformed schema is
+    refused even when nothing will be constrained by it)."""
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(error)
+
+
 def lark_json(schema: dict[str, Any]) -> str:
     """A JSON schema as a Lark ``%json`` term, with the same options as :func:`json_schema_grammar`."""
     return "%json " + json.dumps({**closed_objects(schema), "x-guidance": _JSON_OPTIONS})
@@ -134,6 +142,11 @@ class Grammars:
             self._compiled.move_to_end(grammar)
             matcher = template.deep_copy()
         return GrammarConstraint(matcher, self._tokenizer.vocab_size, self._tokenizer.eos_token_ids)
+
+    def literal(self, text: str) -> str:
+        """``text`` as a Lark terminal: ``<[id]>`` when it is one special token, else a string."""
+        token = self.special_token(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
 
     def special_token(self, text: str) -> int | None:
         """The id of ``text`` when the tokenizer has it as one special (control) token, else None:
