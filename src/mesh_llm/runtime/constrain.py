@@ -188,9 +188,22 @@ class _TableSource:
         self.special_token_ids = [i for i, (_, special) in enumerate(table) if special]
 
     def __call__(self, text: str | bytes) -> list[int]:
+        """Token ids of ``text`` as a continuation (llguidance tokenizes the text a grammar forces).
+        SentencePiece vocabularies put a space before the start of any text; then the text is
+        tokenized after a newline and the newline's tokens dropped."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if ids and text[:1] not in ("", " ") and self.tokens[ids[0]].startswith(b" "):
+            shifted = self._tokenizer.encode("\n" + text, add_special_tokens=False)
+            spelled = b""
+            for i, token in enumerate(shifted):
+                spelled += self.tokens[token]
+                if spelled.strip(b" ") == b"\n":
+                    return shifted[i + 1:]
+                if len(spelled) > 2:
+                    break
+        return ids
 
 
 _GRAMMARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
