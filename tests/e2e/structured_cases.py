@@ -7,7 +7,8 @@ SCHEMAS = [
         "required": ["name", "age"]}),
     ("city", "Tell me about Paris.", {
         "type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
-                                         "population": {"type": "integer", "minimum": 0}},
+                                         "population": {"type": "integer", "minimum": 0,
+                                                        "maximum": 40000000}},
         "required": ["city", "country", "population"]}),
     ("sentiment", "Classify the sentiment of: 'I love this phone'.", {
         "type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},

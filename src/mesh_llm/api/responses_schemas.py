@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mesh_llm.api.errors import APIError
-from mesh_llm.api.schemas import FunctionName
+from mesh_llm.api.schemas import FunctionName, check_tool_choice
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Sent by clients but harmless here (no reasoning output to include).
@@ -53,7 +53,7 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    tool_choice: str | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     max_output_tokens: Annotated[int, Field(gt=0)] | None = None
@@ -64,6 +64,11 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        return check_tool_choice(value, NamedFunctionChoice)
 
     def check_served(self) -> None:
         """A 400 for each field sent that this server would not honour."""

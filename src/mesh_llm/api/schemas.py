@@ -154,6 +154,19 @@ class ResponseFormat(BaseModel):
         return self.json_schema.schema_ if self.type == "json_schema" else None
 
 
+def check_tool_choice(value: Any, named: type[BaseModel]) -> Any:
+    """"none", "auto", "required", a named function, or None, with one clear message otherwise
+    (a plain union would name its members in the error's field)."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        try:
+            return named.model_validate(value)
+        except ValueError:
+            pass
+    raise ValueError('expected "none", "auto", "required" or a named function')
+
+
 # Fields that would change the answer but are not served: a 400 rather than silence.
 REFUSED = ("functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
            "web_search_options")
@@ -165,9 +178,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        return check_tool_choice(value, NamedToolChoice)
 
     def refused_field(self) -> str | None:
         """The first field sent that this server does not serve (empty values are harmless)."""
