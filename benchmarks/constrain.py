@@ -10,6 +10,7 @@ three libraries see exactly the same tokens:
     .venv/bin/python benchmarks/constrain.py                       # SmolLM2 (49k) and qwen2 (152k)
     .venv/bin/python benchmarks/constrain.py --vocab ~/m/x.gguf    # any GGUF's vocabulary
     .venv/bin/python benchmarks/constrain.py --out benchmarks/results/constrain/cpu.json
+    .venv/bin/python benchmarks/constrain.py --libraries llguidance --batch 8 32   # + a batch's step (MLX)
 
 xgrammar declares torch (and triton) as hard dependencies and imports torch at import time, though
 the matcher fills any DLPack array. Where torch is missing, ``--xgrammar-shim`` lets it import with a
@@ -102,15 +103,7 @@ def _llguidance(vocab: Vocab):
     import llguidance as llg
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    class Source:  # what llguidance's TokenizerWrapper reads
-        eos_token_id, bos_token_id = vocab.eos[0], None
-        tokens = [b"\xff" + p if s else p for p, s in zip(vocab.pieces, vocab.special)]
-        special_token_ids = [t for t, s in enumerate(vocab.special) if s]
-
-        def __call__(self, text):
-            return vocab.encode(text.decode() if isinstance(text, bytes) else text)
-
-    tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Source()), eos_token=vocab.eos)
+    tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_llguidance_source(vocab)), eos_token=vocab.eos)
     bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def compile_(schema):
@@ -225,6 +218,61 @@ def measure(library: str, vocab: Vocab, shim: bool, repeats: int) -> dict:
     return row
 
 
+def batch_step(vocab: Vocab, batch: int, constrained: int, steps: int = 50) -> dict:
+    """One sampling step of a batch on the MLX device, with ``constrained`` of its ``batch`` rows under
+    a JSON schema (llguidance's parallel executor fills their masks), against the same step with
+    none: what constraining some sequences adds to everyone's step. Greedy, random logits."""
+    import llguidance as llg
+    import mlx.core as mx
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+    schema, instance = SCHEMAS["nested-array"]
+    tokens = vocab.encode(json.dumps(instance))
+    source = _llguidance_source(vocab)
+    tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(source), eos_token=vocab.eos)
+    grammar = llg.LLMatcher.grammar_from_json_schema(schema)
+    executor = llg.LLExecutor()
+    bits = allocate_token_bitmask(batch, tokenizer.vocab_size)
+    logits = mx.random.normal((batch, vocab.n))
+    mx.eval(logits)
+
+    def run(k: int) -> float:
+        matchers = [llg.LLMatcher(tokenizer, grammar) for _ in range(k)]
+        times = []
+        for step in range(min(steps, len(tokens))):
+            t0 = time.perf_counter()
+            rows = logits
+            if k:
+                fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bits)
+                allowed = np.unpackbits(bits[:k].view(np.uint8), axis=1, bitorder="little")[:, :vocab.n]
+                mask = np.ones((batch, vocab.n), dtype=bool)
+                mask[:k] = allowed.view(bool)
+                rows = mx.where(mx.array(mask), logits, -mx.inf)
+            chosen = mx.argmax(rows, axis=-1)
+            chosen.tolist()
+            times.append(time.perf_counter() - t0)
+            for m in matchers:
+                m.consume_token(tokens[step])
+        return statistics.median(times) * 1e6
+
+    base, with_masks = run(0), run(constrained)
+    return {"vocab": vocab.name, "batch": batch, "constrained": constrained, "device": str(mx.default_device()),
+            "step_us_unconstrained": round(base, 1), "step_us_constrained": round(with_masks, 1),
+            "added_us": round(with_masks - base, 1)}
+
+
+def _llguidance_source(vocab: Vocab):
+    class Source:
+        eos_token_id, bos_token_id = vocab.eos[0], None
+        tokens = [b"\xff" + p if s else p for p, s in zip(vocab.pieces, vocab.special)]
+        special_token_ids = [t for t, s in enumerate(vocab.special) if s]
+
+        def __call__(self, text):
+            return vocab.encode(text.decode() if isinstance(text, bytes) else text)
+
+    return Source()
+
+
 def main() -> None:
     vocabs_dir = Path.home() / ".cache/mesh-llm/vocabs/0.3.36"
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -232,6 +280,8 @@ def main() -> None:
     parser.add_argument("--libraries", default="llguidance,outlines-core,xgrammar")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--xgrammar-shim", action="store_true")
+    parser.add_argument("--batch", type=int, nargs="*", metavar="B",
+                        help="also time a batch's sampling step on the MLX device, with 1 and B/2 rows constrained")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     paths = args.vocab
@@ -250,15 +300,29 @@ def main() -> None:
                 continue
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
+        for batch in args.batch or []:
+            for constrained in sorted({1, max(1, batch // 2)}):
+                row = batch_step(vocab, batch, constrained)
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
     header = ("| library | vocab | setup s | compile ms (median / max) | mask µs (median / p95 / mean) "
               "| advance µs | mask → bool µs |")
     print(header)
     print("|" + " --- |" * 7)
     for r in rows:
+        if "batch" in r:
+            continue
         print(f"| {r['library']} | {r['vocab']} ({r['vocab_size']:,}) | {r['setup_s']} | "
               f"{r['compile_ms_median']} / {r['compile_ms_max']} | {r['mask_us_median']} / "
               f"{r['mask_us_p95']} / {r['mask_us_mean']} | {r['advance_us_median']} | "
               f"{r.get('to_bool_us_median', '')} |")
+    batches = [r for r in rows if "batch" in r]
+    if batches:
+        print("\n| vocab | device | batch | constrained rows | step µs unconstrained | constrained | added µs |")
+        print("|" + " --- |" * 7)
+        for r in batches:
+            print(f"| {r['vocab']} | {r['device']} | {r['batch']} | {r['constrained']} | "
+                  f"{r['step_us_unconstrained']} | {r['step_us_constrained']} | {r['added_us']} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows, "python": sys.version.split()[0]}, indent=1) + "\n")
