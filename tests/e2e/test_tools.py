@@ -95,10 +95,11 @@ def test_chat_round_trip(client):
                  {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS,
                                             tool_choice="none", temperature=0, max_tokens=60)
-    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
-    assert answer.usage.prompt_tokens > first.usage.prompt_tokens - 120  # the result is in the prompt
-    # the tiny model reads the tool's result (measured: "The weather in Paris is sunny, ... 24 ...")
-    assert "sunny" in answer.choices[0].message.content.lower()
+    content = answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "stop"
+    # the tiny model answers from the tool's result (measured: "The weather in Paris is sunny, with a
+    # temperature of 24 degrees Celsius.")
+    assert "24" in content, content
 
 
 def _responses_call(client: OpenAI, stream: bool):
@@ -137,9 +138,8 @@ def test_responses_round_trip(client, stream):
         assert "response.content_part.added" in [e.type for e in events]
     else:
         answer = client.responses.create(**kw)
-    assert [item.type for item in answer.output] == ["message"]
-    assert "sunny" in answer.output_text.lower()
-    assert answer.usage.input_tokens > response.usage.input_tokens - 120
+    assert [item.type for item in answer.output] == ["message"] and answer.status == "completed"
+    assert "24" in answer.output_text, answer.output_text  # read from the tool's result
     assert answer.usage.input_tokens_details.cached_tokens >= 0
 
 
