@@ -34,16 +34,23 @@ def allowed(constraint) -> set[int]:
 
 
 def test_both_tokenizers_allow_the_same_tokens(tokenizers):
+    """Write VALUE token by token, each time the allowed token that spells the most of what is left
+    (the matcher may only offer some splits of text the grammar forces), comparing the masks."""
     llama, mlx = tokenizers["llama"], tokenizers["mlx"]
     grammar = json_schema_grammar(SCHEMA)
     a, b = Grammars(llama).constraint(grammar), Grammars(mlx).constraint(grammar)
-    ids = llama.encode(json.dumps(VALUE), add_special_tokens=False)
-    assert ids == mlx.encode(json.dumps(VALUE), add_special_tokens=False)
-    for token in ids:
-        assert allowed(a) == allowed(b) and token in allowed(a)
+    left = json.dumps(VALUE, ensure_ascii=False)
+    while left:
+        assert allowed(a) == allowed(b)
+        spelled = {t: llama.decode([t]) for t in allowed(a) - llama.eos_token_ids}
+        token = max((t for t, text in spelled.items() if text and left.startswith(text)),
+                    key=lambda t: len(spelled[t]))
         a.advance(token)
         b.advance(token)
-    assert allowed(a) == allowed(b) == set(llama.eos_token_ids) and a.done
+        left = left[len(spelled[token]):]
+    assert allowed(a) == allowed(b) and a.done and b.done
+    assert llama.eos_token_ids <= allowed(a)  # the end of the turn; no more text
+    assert all(llama.decode([t]).startswith("<") for t in allowed(a))  # (llguidance also offers <reponame>)
 
 
 def test_the_mask_covers_the_vocabulary_and_eos_only_when_complete(tokenizers):
