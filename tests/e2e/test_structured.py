@@ -54,8 +54,9 @@ def test_json_schema_streamed_reply_validates(client, name, prompt, schema):
 
 def test_json_object(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a cat as JSON."}], temperature=0,
-        max_tokens=120, response_format={"type": "json_object"})
+        model=MODEL, messages=[{"role": "user", "content": "Give the name and the age of a cat."}],
+        temperature=0, max_tokens=400, response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
