@@ -453,14 +453,7 @@ class LlamaEngine(Engine):
         try:
             cached = self._prefill(prompt)
             while True:
-                allowed = params.constraint.mask() if params.constraint is not None else None
-                if allowed is not None:
-                    logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, -1),
-                                                   shape=(self._n_vocab,))
-                    logits[~allowed[:self._n_vocab]] = -np.inf
                 token = ll.llama_sampler_sample(sampler, self._ctx, -1)
-                if params.constraint is not None:
-                    params.constraint.advance(token)
                 logprob, top = self._logprobs(token, params.logprobs)
                 yield Step(token, logprob, top, cached)
                 cached = 0

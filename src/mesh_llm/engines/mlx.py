@@ -203,7 +203,7 @@ class MLXEngine(Engine):
         # nothing on SmolLM2-135M (measured, 2-core EPYC), so there the next step is built only when
         # asked for: a generation closed after token n stores its state without computing one more
         # step (a decode step's time: 65 ms on SmolLM2).
-        pipelined = _on_gpu() and sampler.constraint is None  # a mask needs the previous token
+        pipelined = _on_gpu()
         pending = self._forward(mx.array(prompt[-1:]), cache, sampler)
         if pipelined:
             mx.async_eval(pending)
@@ -250,7 +250,6 @@ class _Sampler:
         if params.logprobs is not None and params.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
         self.params = params
-        self.constraint = params.constraint
         self.top_n = min(params.logprobs or 0, vocab)
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         self.key = mx.random.key(seed % 2**64)  # any int, negative or huge, maps to a uint64
@@ -266,11 +265,6 @@ class _Sampler:
 
     def sample(self, logits: mx.array) -> list[mx.array]:
         """Lazy arrays [token, chosen logprob, top ids, top logprobs] for (1, vocab) logits."""
-        allowed = self.constraint.mask() if self.constraint is not None else None
-        if allowed is not None:
-            width = logits.shape[-1]
-            allowed = np.pad(allowed[:width], (0, max(0, width - len(allowed))))
-            logits = mx.where(mx.array(allowed), logits, -mx.inf)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.params.temperature == 0:
             token = mx.argmax(logprobs, axis=-1)
@@ -293,8 +287,6 @@ class _Sampler:
         queue a new op behind the next step's forward pass and wait for it, undoing the overlap."""
         values = [a.tolist() for a in arrays]
         token = values[0][0]
-        if self.constraint is not None:
-            self.constraint.advance(token)
         if len(values) == 1:
             return Step(token=token, cached_tokens=cached)
         alternatives = ()
