@@ -3,23 +3,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mesh_llm.api.chat_tools import chat_plan
 from mesh_llm.api.errors import APIError, error_response
+from mesh_llm.api.generation import collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import GenerationError, ResponseBuilder
+from mesh_llm.api.responses_api import install_responses
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mesh_llm.engines.base import SamplingParams
-from mesh_llm.runtime.chat import TemplateError, encode_chat
-from mesh_llm.runtime.worker import GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
+from mesh_llm.runtime.tools import ChatPlan
+from mesh_llm.runtime.worker import ModelWorker
 
 log = logging.getLogger("mesh_llm.api")
 
@@ -74,6 +76,13 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_json(m) for m in by_id.values()]}
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)])
+    async def get_model(model_id: str) -> dict:
+        if model_id not in by_id:
+            raise APIError(404, f"the model '{model_id}' does not exist; available: {', '.join(by_id)}",
+                           param="model", code="model_not_found")
+        return _model_json(by_id[model_id])
+
     @app.get("/api/cache", dependencies=[Depends(require_key)])
     async def cache_stats() -> dict:
         """Each model's prompt cache: entries, bytes, hits, misses, tokens reused, evictions."""
@@ -85,14 +94,9 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
         served = lookup(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        try:  # off the event loop: a long prompt must not stall other clients' streams
-            prompt = await run_in_threadpool(encode_chat, served.worker.tokenizer, messages)
-        except TemplateError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+        plan = await chat_plan(served.worker.tokenizer, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await _complete(served, body, prompt, logprobs, "chat", request)
+        return await _complete(served, body, plan.prompt, logprobs, "chat", request, plan)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(body: CompletionRequest, request: Request):
@@ -113,6 +117,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             raise APIError(400, "the prompt is empty", param="prompt")
         return await _complete(served, body, ids, body.logprobs, "text", request)
 
+    install_responses(app, lookup, require_key)
     return app
 
 
@@ -124,69 +129,28 @@ def _model_json(m: ServedModel) -> dict:
 
 
 async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int], logprobs: int | None,
-                    kind: str, request: Request):
+                    kind: str, request: Request, plan: ChatPlan | None = None):
     if body.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
-    context = served.worker.info.context_length
-    room = context - len(prompt)
-    max_tokens = body.token_limit() or room
-    if max_tokens < 1 or len(prompt) + max_tokens > context:
-        raise APIError(400, f"this model's context is {context} tokens, but the prompt has {len(prompt)} "
-                       f"tokens and {max_tokens} more were asked for", param="messages" if kind == "chat"
-                       else "prompt", code="context_length_exceeded")
+    constraint = plan.constraint if plan is not None else None
+    if constraint is not None and body.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with a constrained reply (response_format or a "
+                       "required tool call): the grammar ends it", param="ignore_eos")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                            min_p=body.min_p, seed=body.seed, logprobs=logprobs)
-    job = GenerationRequest(prompt=prompt, params=params, max_tokens=max_tokens, stop=body.stop_list(),
-                            ignore_eos=body.ignore_eos)
-    try:
-        generation = served.worker.open(job)
-    except QueueFull as exc:
-        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) \
-            from None
-    except WorkerNotReady as exc:
-        raise APIError(503, str(exc), code="model_loading") from None
+                            min_p=body.min_p, seed=body.seed, logprobs=logprobs, constraint=constraint)
+    generation = open_generation(served.worker, prompt, params, body.token_limit(), body.stop_list(),
+                                 body.ignore_eos, "messages" if kind == "chat" else "prompt")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    builder = ResponseBuilder(kind, served.id, logprobs is not None, include_usage)
+    builder = ResponseBuilder(kind, served.id, logprobs is not None, include_usage,
+                              plan.parser if plan is not None else None)
     if body.stream:
-        return _GenerationStream(builder.stream(aiter(generation)), generation.cancel)
-    collect = asyncio.ensure_future(builder.collect(aiter(generation)))
-    left = asyncio.ensure_future(_disconnected(request))
+        return stream_response(builder.stream(aiter(generation)), generation)
     try:
-        await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():  # the client left: nobody will read the answer
-            return Response(status_code=499)
-        return collect.result()
+        return await collect_unless_left(builder.collect(aiter(generation)), request, generation)
     except GenerationError as exc:
         if exc.rejected:
             raise APIError(400, str(exc), code="invalid_request") from None
         raise APIError(500, str(exc), code="generation_failed") from None
-    finally:
-        for task in (collect, left):
-            task.cancel()
-        generation.cancel()  # frees the slot at once if it is still generating
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client closes its connection. The body has been read, so the next ASGI
-    message is the disconnect (event-driven: no polling between tokens)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _GenerationStream(StreamingResponse):
-    """Server-sent events of one generation that is cancelled however the response ends: finished,
-    client gone, or gone before the stream started (then the body iterator never runs)."""
-
-    def __init__(self, content, cancel):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._cancel = cancel
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._cancel()
 
 
 def _install_error_handlers(app: FastAPI) -> None:

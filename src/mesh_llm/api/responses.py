@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from mesh_llm.runtime.tool_formats import Event, Parser
 from mesh_llm.runtime.worker import Chunk, TokenLogprob, Usage
 
 
@@ -67,12 +68,58 @@ class _TextLogprobs:
                 "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
 
 
-class ResponseBuilder:
-    """Turns chunks into one OpenAI completion (``collect``) or its event stream (``stream``)."""
+class ToolCalls:
+    """A reply's content and tool calls, assembled from a tool-call parser's events."""
 
-    def __init__(self, kind: str, model: str, logprobs: bool, include_usage: bool = False):
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict] = {}
+
+    def add(self, events: list[Event]) -> None:
+        for e in events:
+            if e.kind == "content":
+                self.content.append(e.text)
+            elif e.kind == "call":
+                self.calls[e.index] = {"id": e.id, "type": "function",
+                                       "function": {"name": e.name, "arguments": ""}}
+            else:
+                self.calls[e.index]["function"]["arguments"] += e.text
+
+    def text(self) -> str | None:
+        """The content; None when the reply is only calls (as OpenAI sends it)."""
+        text = "".join(self.content)
+        return None if self.calls and not text.strip() else text
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return "tool_calls" if self.calls and finish == "stop" else finish
+
+
+def chat_deltas(events: list[Event]) -> list[dict]:
+    """OpenAI's streamed deltas for parser events: content, a call's id and name, its argument fragments."""
+    deltas: list[dict] = []
+    for e in events:
+        if e.kind == "content":
+            if deltas and "content" in deltas[-1]:
+                deltas[-1]["content"] += e.text
+            else:
+                deltas.append({"content": e.text})
+        elif e.kind == "call":
+            deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                           "function": {"name": e.name, "arguments": ""}}]})
+        else:
+            deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return deltas
+
+
+class ResponseBuilder:
+    """Turns chunks into one OpenAI completion (``collect``) or its event stream (``stream``). With a
+    tool-call ``parser`` (chat only), calls go to ``tool_calls`` and their markup never to content."""
+
+    def __init__(self, kind: str, model: str, logprobs: bool, include_usage: bool = False,
+                 parser: Parser | None = None):
         assert kind in ("chat", "text")
         self.kind, self.model, self.logprobs, self.include_usage = kind, model, logprobs, include_usage
+        self.parser = parser
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._text_logprobs = _TextLogprobs()
@@ -108,7 +155,15 @@ class ResponseBuilder:
             parts.append(last.text)
             all_logprobs.extend(last.logprobs)
         logprobs = self._logprobs(tuple(all_logprobs))
-        body = self._envelope([self._choice("".join(parts), logprobs, last.finish_reason, None)], False)
+        choice = self._choice("".join(parts), logprobs, last.finish_reason, None)
+        if self.parser is not None:
+            calls = ToolCalls()
+            calls.add(self.parser.feed("".join(parts)) + self.parser.finish())
+            choice["message"]["content"] = calls.text()
+            if calls.calls:
+                choice["message"]["tool_calls"] = list(calls.calls.values())
+            choice["finish_reason"] = calls.finish_reason(last.finish_reason)
+        body = self._envelope([choice], False)
         body["usage"] = usage_json(last.usage)
         return body
 
@@ -117,17 +172,29 @@ class ResponseBuilder:
         if self.kind == "chat":
             first = self._choice("", None, None, {"role": "assistant", "content": "", "refusal": None})
             yield sse({**self._envelope([first], True), **extra})
+        calls = ToolCalls()
         async for chunk in chunks:
             if chunk.error:
                 kind = "invalid_request_error" if chunk.rejected else "server_error"
                 yield sse({"error": {"message": chunk.error, "type": kind, "param": None, "code": None}})
                 break
-            if chunk.text or chunk.logprobs:
+            finish = chunk.finish_reason
+            if self.parser is not None:
+                events = self.parser.feed(chunk.text) if chunk.text else []
+                if finish is not None:
+                    events += self.parser.finish()
+                calls.add(events)
+                deltas = chat_deltas(events) or ([{}] if chunk.logprobs else [])
+                for i, delta in enumerate(deltas):
+                    logprobs = self._logprobs(chunk.logprobs) if i == 0 and chunk.logprobs else None
+                    yield sse({**self._envelope([self._choice("", logprobs, None, delta)], True), **extra})
+                finish = calls.finish_reason(finish)
+            elif chunk.text or chunk.logprobs:
                 delta = {"content": chunk.text} if self.kind == "chat" else None
                 choice = self._choice(chunk.text, self._logprobs(chunk.logprobs), None, delta)
                 yield sse({**self._envelope([choice], True), **extra})
-            if chunk.finish_reason is not None:
-                final = self._choice("", None, chunk.finish_reason, {} if self.kind == "chat" else None)
+            if finish is not None:
+                final = self._choice("", None, finish, {} if self.kind == "chat" else None)
                 yield sse({**self._envelope([final], True), **extra})
                 if self.include_usage and chunk.usage is not None:
                     yield sse({**self._envelope([], True), "usage": usage_json(chunk.usage)})

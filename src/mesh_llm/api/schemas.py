@@ -1,13 +1,14 @@
 """OpenAI request shapes, validated by pydantic: a bad field becomes a 400 naming that field.
 
-Unknown fields are accepted and ignored, as OpenAI clients send many (``user``, ``metadata``...).
+Unknown fields are accepted and ignored, as OpenAI clients send many (``user``, ``metadata``...);
+fields that would change the answer and are not served are refused (``REFUSED``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Stop = str | list[str] | None
 
@@ -18,11 +19,46 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def chat_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (keys only where they have a value)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(include={"id", "type", "function"}) for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -67,11 +103,94 @@ class SamplingFields(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # every call is constrained to the parameters anyway
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+    def schema_or_none(self) -> dict[str, Any] | None:
+        """The schema the reply must match, None for free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.type == "json_schema" else None
+
+
+def check_tool_choice(value: Any, named: type[BaseModel]) -> Any:
+    """"none", "auto", "required", a named function, or None, with one clear message otherwise
+    (a plain union would name its members in the error's field)."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        try:
+            return named.model_validate(value)
+        except ValueError:
+            pass
+    raise ValueError('expected "none", "auto", "required" or a named function')
+
+
+# Fields that would change the answer but are not served: a 400 rather than silence.
+REFUSED = ("functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
+           "web_search_options")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(gt=0)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        return check_tool_choice(value, NamedToolChoice)
+
+    def refused_field(self) -> str | None:
+        """The first field sent that this server does not serve (empty values are harmless)."""
+        extra = self.model_extra or {}
+        return next((name for name in REFUSED if extra.get(name) not in (None, {}, [])), None)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -86,6 +86,10 @@ class HFTokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text (grammar libraries build their token tables from it)."""
+        return self._tok.to_str()
+
     def decode(self, ids: Sequence[int]) -> str:
         # Special tokens are kept: the runtime stops on EOS ids before decoding them, and any
         # other special token the model emits (<think>, tool-call markers) is part of its answer.

@@ -281,6 +281,22 @@ class LlamaTokenizer:
                     return buf.raw[:got].decode("utf-8", errors="replace")
                 n = -got
 
+    def token_table(self) -> list[tuple[bytes, bool]]:
+        """Every token's bytes as generation emits them, and whether it is special (grammar libraries
+        build their token tables from it)."""
+        buf = ctypes.create_string_buffer(4096)
+        table = []
+        with self._lock:
+            self._check_open()
+            for token in range(self._n_vocab):
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+                piece, attr = buf.raw[:max(n, 0)], ll.llama_vocab_get_attr(self._vocab, token)
+                # as llguidance's own llama.cpp adapter: user-defined tokens spelled <...> are special too
+                special = bool(attr & ll.LLAMA_TOKEN_ATTR_CONTROL) or bool(
+                    attr & ll.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">"))
+                table.append((piece, special))
+        return table
+
     def _check_open(self) -> None:
         if self._vocab is None:
             raise EngineError("the llama engine is closed")

@@ -374,5 +374,6 @@ def _logprob(tokenizer: Tokenizer, step: Step) -> TokenLogprob:
     return TokenLogprob(
         token=tokenizer.decode([step.token]),
         logprob=step.logprob if step.logprob is not None else 0.0,
-        top=tuple((tokenizer.decode([t]), lp) for t, lp in step.top_logprobs),
+        # tokens a constraint masked out have no probability: they are not alternatives
+        top=tuple((tokenizer.decode([t]), lp) for t, lp in step.top_logprobs if lp != float("-inf")),
     )

@@ -1,0 +1,81 @@
+"""Opening a generation on a model's worker and answering with it, shared by every generating route:
+the context check, the queue's answer (429, 503), and cancelling the generation however the client's
+response ends (finished, client gone mid-stream, gone before the stream started, or a non-streamed
+client gone while it waits)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from mesh_llm.api.errors import APIError
+from mesh_llm.engines.base import SamplingParams
+from mesh_llm.runtime.worker import Generation, GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
+
+
+def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_tokens: int | None,
+                    stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                    prompt_param: str = "messages") -> Generation:
+    """Queue the generation (``max_tokens`` None: up to the end of the context)."""
+    context = worker.info.context_length
+    max_tokens = max_tokens or context - len(prompt)
+    if max_tokens < 1 or len(prompt) + max_tokens > context:
+        raise APIError(400, f"this model's context is {context} tokens, but the prompt has {len(prompt)} "
+                       f"tokens and {max_tokens} more were asked for", param=prompt_param,
+                       code="context_length_exceeded")
+    job = GenerationRequest(prompt=prompt, params=params, max_tokens=max_tokens, stop=stop,
+                            ignore_eos=ignore_eos)
+    try:
+        return worker.open(job)
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) \
+            from None
+    except WorkerNotReady as exc:
+        raise APIError(503, str(exc), code="model_loading") from None
+
+
+def stream_response(events: AsyncIterator[bytes], generation: Generation) -> StreamingResponse:
+    """Server-sent events of one generation."""
+    return _GenerationStream(events, generation.cancel)
+
+
+async def collect_unless_left(collect: Awaitable, request: Request, generation: Generation):
+    """The whole answer, or an empty 499 once the client of a non-streamed request has left (its
+    generation cancelled at once, not when the next token is due)."""
+    answer = asyncio.ensure_future(collect)
+    left = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():  # nobody will read it
+            return Response(status_code=499)
+        return answer.result()
+    finally:
+        for task in (answer, left):
+            task.cancel()
+        generation.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes its connection. The body has been read, so the next ASGI
+    message is the disconnect (event-driven: no polling between tokens)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _GenerationStream(StreamingResponse):
+    """A streamed response that cancels its generation however it ends, including a client that
+    left before the stream started (then the body iterator never runs, and its finally neither)."""
+
+    def __init__(self, content, cancel):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cancel = cancel
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cancel()
