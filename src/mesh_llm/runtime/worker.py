@@ -36,6 +36,7 @@ from mesh_llm.runtime.detokenize import IncrementalDetokenizer
 log = logging.getLogger("mesh_llm.worker")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
+CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
 
 
 class QueueFull(Exception):
@@ -231,6 +232,10 @@ class ModelWorker:
             self.load_error = exc
             self._ready.set()
             return
+        if self.info.device == "cpu":
+            # a CPU reads ~100-500 prompt tokens a second: smaller chunks while streams run, so that
+            # their next token is never more than about a second away
+            self._prefill_budget = min(self._prefill_budget, CPU_PREFILL_BUDGET)
         self._alive = True
         self._ready.set()
         try:
@@ -259,8 +264,10 @@ class ModelWorker:
                 except queue.Empty:
                     return
             job = self._pending[0]
-            if job.cancelled.is_set():
+            if job.cancelled.is_set():  # the client left while it waited
                 self._pending.popleft()
+                log.info("%s prompt=%d cached=0 completion=0 ttft=0.000s decode=0.0 tok/s "
+                         "finish=cancelled", self.name, len(job.request.prompt))
                 continue
             seq = next(self._ids)
             req = job.request
