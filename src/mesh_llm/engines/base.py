@@ -198,6 +198,7 @@ class Engine(abc.ABC):
         full). Closing the iterator removes it; only one such generation runs at a time."""
         if self._solo is not None:
             self._solo.close()
+            self.remove(_SOLO)  # a generation closed before its first step never ran its finally
         context = self.info().context_length
         room = context - len(prompt)
         limit = room if max_tokens is None else min(max_tokens, room)
