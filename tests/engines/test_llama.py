@@ -253,6 +253,43 @@ def test_tokenizing_from_another_thread_during_generation(engine):
     assert calls_during > 0 and all(results)
 
 
+def test_a_long_encode_holds_up_neither_decode_nor_close_frees_the_vocab_under_it():
+    """An 8 MB prompt takes seconds to encode on an API thread: decode calls from another thread go
+    on meanwhile (with one lock for both, at most two could finish while it ran), and close() in the
+    middle of an encode either waits for it or makes it fail cleanly, never frees the vocab under it."""
+    engine = LlamaEngine.load(GGUF, EngineOptions(ctx_size=256, threads=1, cache_bytes=0))
+    tok = engine.tokenizer
+    text = "The mesh serves models to many clients. " * 200_000
+    expected = len(tok.encode(text, add_special_tokens=False))
+    hello = tok.encode("Hello, world!", add_special_tokens=False)
+    results: list = []
+
+    def encode(started: threading.Event) -> None:
+        started.set()
+        try:
+            results.append(len(tok.encode(text, add_special_tokens=False)))
+        except EngineError as e:
+            results.append(str(e))
+
+    started = threading.Event()
+    worker = threading.Thread(target=encode, args=(started,))
+    worker.start()
+    started.wait()
+    decoded = []
+    while worker.is_alive():
+        decoded.append(tok.decode(hello))
+    assert len(decoded) > 10 and set(decoded) == {"Hello, world!"} and results == [expected]
+    started = threading.Event()
+    worker = threading.Thread(target=encode, args=(started,))
+    worker.start()
+    started.wait()
+    engine.close()
+    worker.join()
+    assert results[1] in (expected, "the llama engine is closed")
+    with pytest.raises(EngineError, match="closed"):
+        tok.decode(hello)
+
+
 def test_info(engine):
     info = engine.info()
     assert (info.engine, info.device, info.backend, info.model_format) == ("llama", "cpu", "cpu", "gguf")

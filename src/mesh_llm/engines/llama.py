@@ -299,7 +299,10 @@ class LlamaEngine(Engine):
         for slot, _, row in work:
             if row is None:
                 continue
-            step = slot.sampler.sample(self._ctx, row)
+            try:
+                step = slot.sampler.sample(self._ctx, row)
+            except RuntimeError as e:  # llama.cpp kept no logits for the row
+                self._fail(f"sampling failed: {e}")
             if not slot.produced:
                 step = Step(step.token, step.logprob, step.top_logprobs, slot.cached)
             slot.produced += 1
