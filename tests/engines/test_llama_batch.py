@@ -2,17 +2,19 @@
 random-weight GGUFs of every kind of state: no mocks.
 
 What is exact (``llama_cache``'s docstring says why): on a CPU, flash attention over bfloat16 cells
-makes a row's attention read only its own sequence's cells, in position order, and a pass of two or
-more rows multiplies each row by the weights the same way whatever the other rows are. So a
+makes a row's attention read only its own sequence's cells, in the pool's order, and a pass of two
+or more rows multiplies each row by the weights the same way whatever the other rows are. So a
 sequence's tokens and logprobs do not depend on its neighbours, their sampling or where their cells
 sit; and SmolLM2's Q4_1 weights have no separate one-row kernel, so there a sequence in a batch is
-bit for bit the sequence alone (LOGPROB_TOLERANCE is 0). Weight types with one (the tiny models'
-F16) round a lone decode step differently: they are compared with a tolerance, and a greedy stream
-may part from its solo run only where the solo top-2 margin is within what that tolerance can flip.
+bit for bit the sequence alone. Weight types with one (the tiny models' F16) round a lone decode
+step differently: they are compared within TINY_TOLERANCE, and a greedy stream may part from its
+solo run only where the solo top-2 margin is within what that tolerance can flip. On a GPU nothing
+is claimed bitwise: everything there is compared within GPU_TOLERANCE.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -28,8 +30,8 @@ from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
 from tiny_gguf import write_tiny_gguf
 
-LOGPROB_TOLERANCE = 0.0  # SmolLM2: bit for bit
 TINY_TOLERANCE = 5e-3  # F16 weights: a one-row pass skips llamafile sgemm; measured at most 1.0e-3
+GPU_TOLERANCE = 0.5  # on a GPU nothing is claimed bitwise (not yet measured there)
 BUDGET = 48  # prompt tokens per step: prefill spreads over steps, so newcomers join mid-prefill
 OPTIONS = EngineOptions(ctx_size=1024, threads=1, max_batch=8, cache_bytes=0)
 
@@ -63,6 +65,11 @@ def prompts(engine) -> list[list[int]]:
 def alone(engine, prompts) -> list[list[Step]]:
     """Each sequence run by itself."""
     return [solo(engine, p, params, n) for p, (_, params, n, _) in zip(prompts, SPECS)]
+
+
+def tolerance(engine, cpu: float = 0.0) -> float:
+    """SmolLM2 on a CPU: bit for bit."""
+    return cpu if engine.info().device == "cpu" else max(cpu, GPU_TOLERANCE)
 
 
 def solo(engine, prompt, params, n) -> list[Step]:
@@ -127,7 +134,7 @@ def test_eight_sequences_in_a_batch_are_each_bit_for_bit_what_they_are_alone(eng
     for i, (_, params, n, _) in enumerate(SPECS):
         assert len(batch[i]) == n and batch[i][0].cached_tokens == 0  # the cache is off here
         assert [len(s.top_logprobs) for s in batch[i]] == [params.logprobs] * n
-        where = compare(alone[i], batch[i], greedy=params.temperature == 0, tolerance=LOGPROB_TOLERANCE)
+        where = compare(alone[i], batch[i], greedy=params.temperature == 0, tolerance=tolerance(engine))
         if where is not None:
             parted[i] = where
     print(f"\n{8 - len(parted)} of 8 sequences are bit for bit their solo runs; parted: {parted}")
@@ -145,8 +152,9 @@ def test_a_seeded_sampled_sequence_gives_the_same_tokens_alone_and_in_a_batch(en
         work = {i: (prompts[i], neighbour(i), 20, 0) for i in (1, 3, 5)}
         return drive(engine, {**work, 0: (prompts[0], hot, 32, 2)})[0]
 
-    assert beside(lambda i: SamplingParams(temperature=1.0, seed=100 + i)) == alone
-    assert beside(lambda i: SamplingParams(temperature=0)) == alone
+    sampled = beside(lambda i: SamplingParams(temperature=1.0, seed=100 + i))
+    assert beside(lambda i: SamplingParams(temperature=0)) == sampled  # same shapes and cells
+    compare(alone, sampled, greedy=False, tolerance=tolerance(engine))
     other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=4321)
     assert [s.token for s in solo(engine, prompts[0], other_seed, 32)] != [s.token for s in alone]
 
@@ -160,10 +168,11 @@ def test_removing_sequences_mid_prefill_and_mid_decode_leaves_the_others_unchang
     used = []
     out = drive(engine, work, remove_at={3: 2, 0: 8}, on_step=lambda _: used.append(engine.cache_stats()))
     assert out[3] == [] and used[0]["kv_cells_used"] >= BUDGET - 8  # cut while reading its prompt
-    assert 0 < len(out[0]) < SPECS[0][2] and out[0] == alone[0][: len(out[0])]  # cut mid-decode
+    assert 0 < len(out[0]) < SPECS[0][2]  # cut mid-decode
+    compare(alone[0][: len(out[0])], out[0], greedy=True, tolerance=tolerance(engine))
     for i in (1, 2, 5):
-        assert out[i] == alone[i]
-    assert out[9] == alone[7]
+        compare(alone[i], out[i], greedy=SPECS[i][1].temperature == 0, tolerance=tolerance(engine))
+    compare(alone[7], out[9], greedy=True, tolerance=tolerance(engine))
     assert engine.cache_stats()["kv_cells_used"] == 0
 
 
@@ -224,13 +233,14 @@ def test_a_constraint_is_obeyed_in_its_row_and_changes_no_other_row(engine, prom
     free = {i: (prompts[i], SPECS[i][1], 12, 0) for i in (0, 2, 5)}
     masked = drive(engine, {**free, 7: (prompts[1], constrained, 12, 0)})
     assert all(s.token in digits for s in masked[7]) and constraint.seen == [s.token for s in masked[7]]
-    assert masked[7][0].top_logprobs == alone[1][0].top_logprobs  # of the raw row, before the mask
+    top, raw = dict(masked[7][0].top_logprobs), dict(alone[1][0].top_logprobs)  # the raw row's, before the mask
+    assert top.keys() == raw.keys() and all(abs(top[t] - raw[t]) <= tolerance(engine) for t in top)
     for i in free:
-        assert masked[i] == alone[i][:12]
+        compare(alone[i][:12], masked[i], greedy=SPECS[i][1].temperature == 0, tolerance=tolerance(engine))
     nothing = SamplingParams(temperature=0, constraint=AllowOnly([], vocab))
     ended = drive(engine, {0: (prompts[0], nothing, 1, 0), 1: (prompts[1], SPECS[1][1], 4, 0)})
     assert ended[0][0].token in engine.tokenizer.eos_token_ids  # a mask that allows nothing ends it
-    assert ended[1] == alone[1][:4]
+    compare(alone[1][:4], ended[1], greedy=True, tolerance=tolerance(engine))
 
 
 def test_five_questions_on_one_document_share_its_cells(default_gguf):
@@ -256,6 +266,7 @@ def test_five_questions_on_one_document_share_its_cells(default_gguf):
                 for seq, st in engine.step(512):
                     out[seq].append(st)
             runs[sharing] = (engine.cache_stats()["kv_cells_used"], engine.kv_state_bytes(), out, steps)
+            exact = engine.info().device == "cpu"
             for seq in range(5):
                 engine.remove(seq)
         finally:
@@ -275,10 +286,9 @@ def test_five_questions_on_one_document_share_its_cells(default_gguf):
     print(f"\nfive questions on a {document}-token document: {shared} cells shared against {copies} as"
           f" copies; whole-context state {shared_bytes / 1e6:.1f} MB against {copy_bytes / 1e6:.1f} MB;"
           f" {steps} steps to everyone's second token against {plain_steps}")
-    def answer(steps):
-        return [(st.token, st.logprob, st.top_logprobs) for st in steps[:2]]
-
-    assert all(answer(out[s]) == answer(plain[s]) for s in range(5))
+    for s in range(5):
+        compare([dataclasses.replace(st, cached_tokens=0) for st in out[s][:2]], plain[s][:2], greedy=True,
+                tolerance=0.0 if exact else GPU_TOLERANCE)
 
 
 def common_prefix(a, b) -> int:
@@ -299,7 +309,7 @@ def test_every_kind_of_state_runs_batched(tmp_path, kind):
         alone = [solo(engine, p, q, 12) for p, q in zip(prompts, params)]
         batch = drive(engine, {i: (prompts[i], params[i], 12, i) for i in range(4)}, budget=8)
         for i in range(4):
-            compare(alone[i], batch[i], greedy=params[i].temperature == 0, tolerance=TINY_TOLERANCE)
+            compare(alone[i], batch[i], greedy=params[i].temperature == 0, tolerance=tolerance(engine, TINY_TOLERANCE))
         assert engine.cache_stats()["kv_cells_used"] == 0
     finally:
         engine.close()

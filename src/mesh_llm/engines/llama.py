@@ -246,7 +246,7 @@ class LlamaEngine(Engine):
             return
         if not slot.started:  # it holds no cells
             self._free_ids.append(slot.id)
-        elif self._slots:
+        elif any(other.started for other in self._slots.values()):
             self._retired.append(slot)
         else:
             while self._retired:
@@ -340,12 +340,15 @@ class LlamaEngine(Engine):
         if patient and self._worth_waiting(slot, max(share, stored)):
             return False
         total, free = len(slot.prompt) + slot.max_tokens, self._free_cells(exclude=slot)
-        restore = stored > share
-        if total - (0 if restore else share) > free:
-            return False
-        blob, reused = self._prompts.lookup(slot.prompt, share) if self._prompts.enabled else (None, 0)
+        restore = stored > share and total <= free  # a restore takes new cells for all of it
+        if not restore and total - share > free:  # admission left room; retired cells hold it
+            if not self._retired:
+                return False
+            self._release(self._retired.popleft())
+            return self._start(slot, patient)
         ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
-        if blob is not None:
+        if restore:
+            blob, reused = self._prompts.lookup(slot.prompt, share)
             try:
                 llama_cache.restore(self._ctx, slot.id, blob, reused)
             except EngineError as e:
@@ -353,9 +356,11 @@ class LlamaEngine(Engine):
                 reused = 0
             slot.begin(reused, None)
         else:
-            if reused:
-                ll.llama_memory_seq_cp(self._memory, source.id, slot.id, 0, reused)
-            slot.begin(reused, source if reused else None)
+            if self._prompts.enabled:
+                self._prompts.record(share)
+            if share:
+                ll.llama_memory_seq_cp(self._memory, source.id, slot.id, 0, share)
+            slot.begin(share, source if share else None)
         return True
 
     def _best_share(self, prompt: np.ndarray) -> tuple[Slot | None, int]:
