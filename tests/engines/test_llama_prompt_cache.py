@@ -21,7 +21,7 @@ pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 from mesh_llm.engines.llama import LlamaEngine
-from mesh_llm.engines.llama_cache import RECOMPUTE, batch_ends
+from mesh_llm.engines.llama_cache import RECOMPUTE, batch_ends, next_chunk
 from support import run_until_eos
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
@@ -192,6 +192,21 @@ def test_prefill_batches_never_hold_a_lone_token(n_batch):
                 if checkpoints and stop - start >= 4:  # one before, where that would leave one
                     assert {stop - RECOMPUTE, stop - RECOMPUTE - 1} & set(ends)
     assert batch_ends(0, 1, 4, False) == [1]  # a one-token prompt cannot be split
+
+
+@pytest.mark.parametrize("n_batch", [3, 4, 16])
+def test_a_chunk_cut_short_by_the_step_budget_crosses_no_mark_and_leaves_no_lone_token(n_batch):
+    for start in range(30):
+        for stop in range(start + 2, 45):
+            for budget in range(1, 20):
+                for checkpoints in (False, True):
+                    mark = batch_ends(start, stop, n_batch, checkpoints)[0]
+                    end = next_chunk(start, stop, n_batch, checkpoints, budget)
+                    if end is None:  # no chunk of two fits the budget
+                        assert budget < 2 or (budget == 2 and mark - start == 3)
+                        continue
+                    assert start + 2 <= end <= mark and mark - end != 1
+                    assert end - start <= budget
 
 
 @pytest.mark.slow
