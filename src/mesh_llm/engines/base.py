@@ -196,8 +196,7 @@ class Engine(abc.ABC):
         """One sequence alone, for tests, parity checks and raw benchmarks: check it now (errors
         raise here), then yield its tokens until ``max_tokens`` (default: until the context is
         full). Closing the iterator removes it; only one such generation runs at a time."""
-        if self._solo is not None:
-            self._solo.close()
+        self._end_solo()
         context = self.info().context_length
         room = context - len(prompt)
         limit = room if max_tokens is None else min(max_tokens, room)
@@ -206,6 +205,13 @@ class Engine(abc.ABC):
         return self._solo
 
     _solo: Iterator[Step] | None = None
+
+    def _end_solo(self) -> None:
+        """End the running :meth:`generate` sequence, if any: before the next one, or a score()."""
+        if self._solo is not None:
+            self._solo.close()
+            self.remove(_SOLO)  # a generation closed before its first step never ran its finally
+            self._solo = None
 
     def _run_solo(self, limit: int, budget: int) -> Iterator[Step]:
         try:

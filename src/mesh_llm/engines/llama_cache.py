@@ -1,21 +1,36 @@
-"""llama.cpp context states as prompt-cache states (:class:`ContextState`, for
-``prompt_cache.PromptCache``), and the prefill batches that keep their reuse bit-exact.
+"""llama.cpp sequence states as prompt-cache states (:class:`SequenceState`, for
+``prompt_cache.PromptCache``), the context settings that make a sequence's numbers independent of
+the batch it runs in, and the prefill chunks that keep reuse exact.
 
-Why batches matter: llama.cpp's CPU kernels sum in another order for a batch of one token (a decode
-step) than for a batch of two or more (llamafile's sgemm runs only for n >= 2; with flash attention
-on, its tiled kernel only for 64 query rows or more). KV computed one way is not bitwise the KV the
-other way computes, and a greedy answer can change on it. With flash attention off and every prompt
-token computed in a batch of at least two, the KV of a position is the same for any split of the
-prompt into batches (SmolLM2 Q4_1, and random F16 llama, gemma2, mamba and lfm2 GGUFs in the tests).
-So the engine reuses only KV computed by prefill, never by decode steps, and leaves at least two
-prompt tokens to compute.
+What rounds how on a CPU (measured on SmolLM2 Q4_1 and random F16 GGUFs, llama-cpp-python 0.3.36):
 
-Where a cell sits matters too: attention sums over the cache's cells in slot order, so a restored
-state must put every cell back in the slot it had, and new cells must follow them as they would
-have. A one-sequence state (``llama_state_seq_*``) does both, and restoring it touches only its own
-cells; but it leaves out the cells a sliding window has passed, which shifts the rest. So with a
-sliding window states are whole-context ones (every cell, back from slot 0 in order; restoring one
-first zeroes the whole cache), and :func:`restore` keeps new cells after the restored ones.
+- Attention. Without flash attention, llama.cpp multiplies each query by every cell of the pool,
+  masked cells included, and sums in 16-float lanes: a sequence's results then depend on where its
+  cells sit (shifted by 5 cells: other bits; by 16: the same), and sequences decoding side by side
+  interleave their cells. With flash attention and float16 cells, passes of 64 query rows or more
+  take a tiled kernel and one-row passes over 512 cells or more a split one, each rounding its own
+  way. With flash attention and bfloat16 cells neither applies: every query row walks its own
+  sequence's cells in position order and skips the rest, so attention is the same bits whatever
+  else the pool or the pass holds. That is the CPU setting (:func:`set_cache_params`); bfloat16
+  cells take as much memory as float16 ones, with 8 significant bits instead of 11.
+- Weights. In a pass of two or more rows a row's product does not depend on the other rows. A
+  one-row pass takes other kernels for types llamafile's sgemm or ggml's repacking handle (F16,
+  BF16, Q8_0, Q4_0, IQ4_NL, Q4_K repacked...), which round differently; types without them (Q4_1,
+  the embedded SmolLM2) compute a row the same way in any pass.
+
+So on a CPU a sequence's tokens and logprobs do not depend on the other sequences of its batch
+(their number, contents, sampling, or where their cells are), and for types without separate
+one-row kernels they are bitwise what the sequence gets alone. Reuse stays exact by reusing only KV
+computed in passes of two or more rows (prefill chunks, and decode steps shared with other
+sequences) and leaving at least two prompt tokens to compute, as one chunk. On a GPU flash attention
+and cell type are llama.cpp's defaults, and none of this is measured.
+
+A one-sequence state (``llama_state_seq_*``) holds every cell of its sequence; restoring one puts its
+cells in free cells anywhere, which attention no longer notices. Recurrent state (alone or in a
+hybrid) cannot be cut back to a shorter prefix, and neither can a sliding window's, whose passed
+cells are not in the state (and may already be reused by other sequences): those are stored as
+checkpoints during prefill (every ``prefill_step`` tokens and two tokens before the end of the
+prompt) and resumed only whole.
 """
 
 from __future__ import annotations
@@ -27,87 +42,59 @@ import numpy as np
 
 from mesh_llm.engines.base import EngineError
 
-RECOMPUTE = 2  # prompt tokens a request always computes, as one batch of two
+RECOMPUTE = 2  # prompt tokens a request always computes, as one chunk of two
+GGML_TYPE_BF16 = 30  # ggml.h (the bindings do not name it)
 
 
-def set_cache_params(cparams: ll.llama_context_params, model: ll.llama_model_p) -> None:
-    """Context settings that keep reuse exact. On CPU, flash attention off: its kernel rounds by
-    batch size; without it prefill is 10-30% slower at 512-4,096 tokens and decode no slower
-    (SmolLM2, 2-core Xeon). Sliding-window caches full-size (every cell stays, so states can be cut
-    back), with a second sequence in the same cells to pin cells with (see :func:`restore`)."""
-    cparams.swa_full = True
-    if ll.llama_model_n_swa(model) > 0:
-        cparams.n_seq_max, cparams.kv_unified = 2, True
-    if not ll.llama_supports_gpu_offload():
-        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+def set_cache_params(cparams: ll.llama_context_params, gpu: bool) -> None:
+    """One pool of KV cells for every sequence (``kv_unified``: any sequence may grow to the whole
+    context, and sequences share a prefix's cells). On a CPU, flash attention over bfloat16 cells
+    (see above). Sliding windows keep only their window (``swa_full`` off): their states are
+    resumed whole."""
+    cparams.kv_unified = True
+    cparams.swa_full = False
+    if not gpu:
+        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.type_k = cparams.type_v = GGML_TYPE_BF16
 
 
 def needs_checkpoints(model: ll.llama_model_p) -> bool:
-    """Whether states cannot be cut back to a shorter prefix: recurrent state (alone or in a hybrid).
-    Sliding-window caches can, as the engine keeps them full-size (``swa_full``)."""
-    return bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
+    """Whether states cannot be cut back to a shorter prefix: recurrent state (alone or in a
+    hybrid), or a sliding window. Such sequences also never share cells with another."""
+    return bool(ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model)
+                or ll.llama_model_n_swa(model) > 0)
 
 
-class ContextState:
-    """A copy of sequence 0's memory (KV cells, recurrent state), or with a sliding window of the
-    whole context's. The blob is never written, so a resumed one is handed out as it is, owned or
-    not; :func:`restore` loads it back."""
+class SequenceState:
+    """A copy of one sequence's memory (KV cells, recurrent state). The blob is never written, so a
+    resumed one is handed out as it is, owned or not; :func:`restore` loads it into a sequence."""
 
-    def __init__(self, ctx: ll.llama_context_p, trimmable: bool):
-        if _sliding(ctx):
-            size = ll.llama_state_get_size(ctx)
-            blob = np.empty(size, np.uint8)
-            got = ll.llama_state_get_data(ctx, _pointer(blob), size)
-        else:
-            size = ll.llama_state_seq_get_size(ctx, 0)
-            blob = np.empty(size, np.uint8)
-            got = ll.llama_state_seq_get_data(ctx, _pointer(blob), size, 0)
+    def __init__(self, ctx: ll.llama_context_p, seq: int, trimmable: bool):
+        size = ll.llama_state_seq_get_size(ctx, seq)
+        blob = np.empty(size, np.uint8)
+        got = ll.llama_state_seq_get_data(ctx, _pointer(blob), size, seq)
         self.blob, self.nbytes, self.trimmable = blob[:got], blob.nbytes, trimmable
 
     def resume(self, n: int, owned: bool) -> np.ndarray:
         return self.blob
 
 
-def restore(ctx: ll.llama_context_p, blob: np.ndarray, n: int) -> bool:
-    """Replace sequence 0 with a stored state cut back to its first ``n`` tokens; True when cells
-    were pinned, to :func:`unpin` once the next batch is in.
-
-    After a whole-context restore llama.cpp looks for free cells from slot 0, and in a sliding-window
-    cache it takes the cells of one sequence that the window has passed, where a context that was
-    never restored puts new cells after the last one. So the kept cells are also put in sequence 1
-    for the next batch: cells of two sequences are never taken."""
-    sliding = _sliding(ctx)
-    if sliding:
-        got = ll.llama_state_set_data(ctx, _pointer(blob), blob.nbytes)
-    else:
-        got = ll.llama_state_seq_set_data(ctx, _pointer(blob), blob.nbytes, 0)
+def restore(ctx: ll.llama_context_p, seq: int, blob: np.ndarray, n: int) -> None:
+    """Load a stored state into the empty sequence ``seq``, cut back to its first ``n`` tokens."""
     memory = ll.llama_get_memory(ctx)
-    if got != blob.nbytes:
-        ll.llama_memory_clear(memory, True)
+    if ll.llama_state_seq_set_data(ctx, _pointer(blob), blob.nbytes, seq) != blob.nbytes:
+        ll.llama_memory_seq_rm(memory, seq, -1, -1)
         raise EngineError("llama.cpp could not restore a cached prompt state")
-    ll.llama_memory_seq_rm(memory, 0, n, -1)
-    if sliding:
-        ll.llama_memory_seq_cp(memory, 0, 1, 0, n)
-    return sliding
+    if not ll.llama_memory_seq_rm(memory, seq, n, -1):
+        ll.llama_memory_seq_rm(memory, seq, -1, -1)
+        raise EngineError(f"llama.cpp cannot cut a cached prompt state back to {n} tokens")
 
 
-def unpin(memory: ll.llama_memory_t) -> None:
-    """Drop the pin of :func:`restore` once new cells are placed after the kept ones."""
-    ll.llama_memory_seq_rm(memory, 1, -1, -1)
-
-
-def live_prefix(tokens: list[int], exact: int, prompt: list[int], checkpoints: bool) -> int:
-    """How many leading prompt tokens a context holding ``tokens`` (the first ``exact`` computed by
-    prefill) may keep, leaving RECOMPUTE to compute; a state that cannot be cut back, all or none."""
-    n = min(exact, len(prompt) - RECOMPUTE)
-    keep = 0
-    while keep < n and tokens[keep] == prompt[keep]:
-        keep += 1
-    return 0 if checkpoints and keep < len(tokens) else keep
-
-
-def _sliding(ctx: ll.llama_context_p) -> bool:
-    return ll.llama_model_n_swa(ll.llama_get_model(ctx)) > 0
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens two int32 arrays share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def _pointer(blob: np.ndarray):
@@ -115,10 +102,11 @@ def _pointer(blob: np.ndarray):
 
 
 def batch_ends(start: int, stop: int, n_batch: int, checkpoints: bool) -> list[int]:
-    """Where the prefill batches of prompt positions [start, stop) end: at absolute multiples of
+    """Where the prefill chunks of prompt positions [start, stop) end: at absolute multiples of
     ``n_batch`` and at ``stop``, and with ``checkpoints`` also two tokens before the end (the state
-    an exact repeat or the next turn resumes from). No batch holds a lone token, which llama.cpp
-    computes with its decode kernels (one-token prompts excepted). ``n_batch`` must be at least 3."""
+    an exact repeat or the next turn resumes from). No chunk holds a lone token, which llama.cpp
+    would compute with its decode kernels when the chunk is alone in its pass (one-token prompts
+    excepted). ``n_batch`` must be at least 3."""
     ends, pos = [], start
     while pos < stop:
         end = min((pos // n_batch + 1) * n_batch, stop)
@@ -131,3 +119,16 @@ def batch_ends(start: int, stop: int, n_batch: int, checkpoints: bool) -> list[i
         ends.append(end)
         pos = end
     return ends
+
+
+def next_chunk(pos: int, stop: int, n_batch: int, checkpoints: bool, budget: int) -> int | None:
+    """The end of the next prefill chunk from ``pos`` holding at most ``budget`` tokens: the next
+    of :func:`batch_ends`, or short of it, never leaving it one token to compute; None when the
+    budget allows no such chunk."""
+    end = batch_ends(pos, stop, n_batch, checkpoints)[0]
+    if end - pos <= budget:
+        return end
+    cut = pos + budget
+    if end - cut == 1:
+        cut -= 1
+    return cut if cut - pos >= 2 else None

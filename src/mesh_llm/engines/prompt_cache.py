@@ -93,6 +93,24 @@ class PromptCache:
             self._reused += reuse
         return entry.state.resume(reuse, owned), reuse
 
+    def peek(self, prompt: Sequence[int]) -> int:
+        """How many prompt tokens :meth:`lookup` would resume from a stored entry (0: none);
+        changes nothing, counts nothing."""
+        query = np.asarray(prompt, dtype=np.int32)
+        with self._lock:
+            best = self._best(query) if self._entries and len(query) > self.recompute else None
+        return best[1] if best is not None else 0
+
+    def record(self, reused: int) -> None:
+        """Count a request that reused ``reused`` prompt tokens from elsewhere (an engine's running
+        sequences) without a lookup; 0 is a miss."""
+        with self._lock:
+            if reused > 0:
+                self._hits += 1
+                self._reused += reused
+            else:
+                self._misses += 1
+
     def insert(self, tokens: Sequence[int], state: CacheState) -> bool:
         """Store ``state`` under ``tokens``; False when it is larger than the whole budget. Entries
         it makes redundant (shorter prefixes, when it is trimmable) are dropped."""
