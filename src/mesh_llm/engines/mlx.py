@@ -115,6 +115,7 @@ class MLXEngine(Engine):
         self._cache_bytes = cache_bytes
         self._prompts = PromptCache(cache_bytes, options.cache_entries)
         self._caching = self._prompts.enabled
+        self._resize_prompt_cache()
         if self._caching:
             self._details["prompt_cache"] = (f"{cache_bytes / 1e6:.0f} MB, {options.cache_entries} "
                                              f"entries" + (", checkpoints" if self._checkpoints else ""))
@@ -252,8 +253,10 @@ class MLXEngine(Engine):
 
     def _prefill(self, budget: int) -> None:
         """One chunk for each sequence reading its prompt, first come first served, while the budget
-        lasts. Chunks end at multiples of ``prefill_step`` where the budget allows, so a resumed
-        prompt is split as a cold one is (and a model that needs checkpoints leaves one there)."""
+        lasts. Chunks end at multiples of ``prefill_step`` (unless the budget cannot hold the first
+        one's), so that a prompt is split the same way alone, batched or resumed, and rounds the
+        same (a model that needs checkpoints leaves one there)."""
+        step, progressed = max(1, self._options.prefill_step), False
         for s in list(self._reading):
             if budget <= 0:
                 break
@@ -262,16 +265,21 @@ class MLXEngine(Engine):
             if s.cache is None:
                 self._start(s)
             target = len(s.prompt) - 1  # the last prompt token is fed by the decode step
+            end = min((s.read // step + 1) * step, target)
+            if end - s.read > budget:
+                if progressed:  # a later, shorter chunk may still fit
+                    continue
+                end = s.read + budget  # the first in line always makes progress
             if s.read < target:
-                budget -= self._read_chunk(s, budget)
+                budget -= self._read_chunk(s, end)
+                progressed = True
             if s.read == target:
                 self._reading.remove(s)
                 self._join(s)
 
-    def _read_chunk(self, s: _Sequence, budget: int) -> int:
+    def _read_chunk(self, s: _Sequence, end: int) -> int:
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
         start = s.read
-        end = min((start // step + 1) * step, target, start + budget)
         self._model(mx.array(s.prompt[start:end])[None], cache=s.cache)
         state = [c.state for c in s.cache]
         if self._pipelined:
