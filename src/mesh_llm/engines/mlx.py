@@ -88,7 +88,8 @@ class MLXEngine(Engine):
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
-                 model_format: str):
+                 model_format: str, pipelined: bool | None = None):
+        """``pipelined``: queue step n+1 before reading step n (default: on a GPU only)."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -96,7 +97,7 @@ class MLXEngine(Engine):
         self._options = options
         self._details = details
         self._format = model_format
-        self._pipelined = on_gpu()
+        self._pipelined = on_gpu() if pipelined is None else pipelined
         self._eos = np.zeros(self._vocab, dtype=bool)
         self._eos[[t for t in tokenizer.eos_token_ids if t < self._vocab]] = True
         self._seqs: dict[int, _Sequence] = {}
