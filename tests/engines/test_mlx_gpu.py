@@ -72,7 +72,7 @@ def test_eight_batched_sequences_match_their_solo_runs_on_the_gpu(checkpoints):
         rng = random.Random(name)
         allowed = sorted(rng.sample(range(3, min(vocab, 300)), 5))
 
-        def params(i):
+        def params(i, allowed=allowed, vocab=vocab):
             if i == 6:
                 return lambda: SamplingParams(temperature=0, logprobs=3,
                                               constraint=AllowOnly(allowed, vocab))
