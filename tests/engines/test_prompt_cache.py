@@ -178,3 +178,17 @@ def test_recompute_leaves_that_many_prompt_tokens_to_compute():
     assert cache.lookup([1, 2, 3, 9])[1] == 0  # a checkpoint must leave two to compute
     assert cache.lookup([1, 2, 3, 9, 9])[1] == 3
     assert cache.lookup([1, 2]) == (None, 0)
+
+
+def test_resize_evicts_least_recently_used_entries_until_they_fit():
+    cache = PromptCache(1_000)
+    for start in (10, 20, 30):
+        store(cache, list(range(start, start + 10)))  # 100 bytes each
+    cache.lookup(list(range(10, 15)) + [99])  # a branch of the oldest: now the most recent
+    cache.resize(250)
+    stats = cache.stats()
+    assert (stats["entries"], stats["bytes"], stats["max_bytes"], stats["evictions"]) == (2, 200, 250, 1)
+    assert cache.lookup(list(range(20, 30)) + [99]) == (None, 0)  # the one evicted
+    cache.resize(1_000)  # growing evicts nothing
+    assert cache.stats()["entries"] == 2 and not store(cache, [1] * 20, nbytes=900).resumed
+    assert cache.stats()["bytes"] <= 1_000
