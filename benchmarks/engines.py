@@ -1,8 +1,20 @@
 """Raw engine speed, no server: load time, TTFT at several prompt lengths, and decode tok/s, for the
 MLX and llama.cpp engines on the same model (by default the embedded SmolLM2, its imported MLX folder
-against its GGUF). Not a test: run it on a quiet machine.
+against its GGUF); with ``--batch``, N sequences decoded together through add / step / remove.
+Not a test: run it on a quiet machine.
 
     .venv/bin/python benchmarks/engines.py [--runs 3] [--decode-tokens 128] [--out results.json]
+    .venv/bin/python benchmarks/engines.py --engine mlx --batch 1,4,8,16,32 [--prompt-tokens 128] \\
+        [--decode-tokens 64] [--constrained K] [--mlx FOLDER | --gguf FILE] [--out results.json]
+
+Batch mode: for each N, N sequences with different prompts of ``--prompt-tokens`` tokens are added
+at once and stepped (prefill budget ``--prefill-budget`` a step) until each has ``--decode-tokens``
+tokens (greedy; EOS is not a stop here), then removed. Reported: summed decode tok/s (tokens after
+each sequence's first, over the time from the last first token to the end), the median step time
+while all N decode and N over it (the rate without stalls from other processes), and TTFT (first
+and last). One unrecorded pass of each N warms up first (a GPU
+compiles kernels for each new shape). ``--constrained K`` gives K of the N sequences a constraint
+that allows every token, so the cost of per-row masks shows against the same run without them.
 """
 
 from __future__ import annotations
@@ -13,6 +25,8 @@ import platform
 import statistics
 import time
 from pathlib import Path
+
+import numpy as np
 
 from mesh_llm.engines import engine_class
 from mesh_llm.engines.base import EngineOptions, SamplingParams
@@ -71,19 +85,75 @@ def measure(name: str, path: Path, runs: int, decode_tokens: int, threads: int |
             "device": info.device, "backend": info.backend, "details": info.details}
 
 
-def main() -> None:
-    from mesh_llm.models import default_gguf, default_mlx_folder
+class AllowAll:
+    """A constraint that allows every token: its mask is built, sent and applied every step."""
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mlx", type=Path, help="MLX model folder (default: the embedded model's)")
-    parser.add_argument("--gguf", type=Path, help="GGUF file (default: the embedded model's)")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    targets = [("llama", args.gguf or default_gguf()), ("mlx", args.mlx or default_mlx_folder())]
-    results = [measure(name, path, args.runs, args.decode_tokens, args.threads) for name, path in targets]
+    def __init__(self, vocab: int):
+        self._mask = np.ones(vocab, dtype=bool)
+
+    def mask(self) -> np.ndarray:
+        return self._mask
+
+    def advance(self, token: int) -> None:
+        pass
+
+
+def run_batch(engine, n: int, prompt_tokens: int, decode_tokens: int, budget: int, constrained: int,
+              salt: int) -> dict:
+    """N sequences added at once, stepped until each has ``decode_tokens`` tokens."""
+    vocab = engine.tokenizer.vocab_size
+    prompts = [prompt_of(engine, prompt_tokens, salt + seq) for seq in range(n)]
+    start = time.perf_counter()
+    for seq, prompt in enumerate(prompts):
+        constraint = AllowAll(vocab) if seq < constrained else None
+        engine.add(seq, prompt, SamplingParams(temperature=0.0, constraint=constraint), decode_tokens)
+    counts, first_at, steps = [0] * n, [None] * n, []
+    while any(c < decode_tokens for c in counts):
+        before = time.perf_counter()
+        out = engine.step(budget)
+        now = time.perf_counter()
+        if len(out) == n and all(f is not None for f in first_at):
+            steps.append(now - before)  # a step in which every sequence decodes
+        for seq, _ in out:
+            counts[seq] += 1
+            if first_at[seq] is None:
+                first_at[seq] = now
+            if counts[seq] == decode_tokens:
+                engine.remove(seq)
+    end = time.perf_counter()
+    decode_s = end - max(first_at)
+    step = statistics.median(steps) if steps else None
+    return {"batch": n, "decode_tok_s": n * (decode_tokens - 1) / decode_s if decode_s > 0 else None,
+            "step_ms": 1000 * step if step else None, "step_tok_s": n / step if step else None,
+            "ttft_first_s": min(first_at) - start, "ttft_last_s": max(first_at) - start,
+            "total_s": end - start}
+
+
+def measure_batches(name: str, path: Path, batches: list[int], args) -> dict:
+    cls = engine_class(name)
+    ctx = args.prompt_tokens + args.decode_tokens + 16
+    engine = cls.load(path, EngineOptions(ctx_size=ctx, threads=args.threads, max_batch=max(batches),
+                                          cache_bytes=0))
+    info = engine.info()
+    rows = []
+    for i, n in enumerate(batches):
+        run_batch(engine, n, min(32, args.prompt_tokens), 4, args.prefill_budget,
+                  min(args.constrained, n), salt=-1000 * (i + 1))  # warm-up for this shape
+        samples = [run_batch(engine, n, args.prompt_tokens, args.decode_tokens, args.prefill_budget,
+                             min(args.constrained, n), salt=1000 * (i * args.runs + r))
+                   for r in range(args.runs)]
+        rows.append({key: statistics.median(s[key] for s in samples) if samples[0][key] is not None
+                     else None for key in samples[0]})
+        print(f"{name} batch {n}: {rows[-1]['decode_tok_s']:.1f} tok/s summed over the wall time, "
+              f"step {rows[-1]['step_ms']:.1f} ms", flush=True)
+    engine.close()
+    return {"engine": name, "path": str(path), "device": info.device, "backend": info.backend,
+            "details": info.details, "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens, "prefill_budget": args.prefill_budget,
+            "constrained": args.constrained, "runs": args.runs, "batches": rows}
+
+
+def print_ttft_table(results: list[dict]) -> None:
     header = "| engine | backend | load s | " + " | ".join(f"TTFT {n} ms" for n in PROMPT_LENGTHS) + \
         " | decode tok/s |"
     print(header)
@@ -92,6 +162,55 @@ def main() -> None:
         cells = [r["engine"], r["backend"], f"{r['load_s']:.2f}",
                  *(f"{1000 * r['ttft_s'][n]:,.0f}" for n in PROMPT_LENGTHS), f"{r['decode_tok_s']:.1f}"]
         print("| " + " | ".join(cells) + " |")
+
+
+def print_batch_table(results: list[dict]) -> None:
+    """tok/s summed over the sequences: over the wall time of the decode phase, and from the median
+    step (N / step time: robust to stalls from other processes on a shared machine)."""
+    print("| engine | backend | batch | tok/s (wall) | step ms (median) | tok/s (median step) | "
+          "per sequence | vs smallest batch | TTFT first / last s |")
+    print("|" + " --- |" * 9)
+    for r in results:
+        base = r["batches"][0]["step_tok_s"]
+        for b in r["batches"]:
+            rate = b["step_tok_s"]
+            cells = [r["engine"], r["backend"], str(b["batch"]), f"{b['decode_tok_s']:,.1f}",
+                     f"{b['step_ms']:.1f}" if rate else "-", f"{rate:,.1f}" if rate else "-",
+                     f"{rate / b['batch']:.1f}" if rate else "-", f"{rate / base:.2f}x" if rate and base else "-",
+                     f"{b['ttft_first_s']:.2f} / {b['ttft_last_s']:.2f}"]
+            print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    from mesh_llm.models import default_gguf, default_mlx_folder
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["mlx", "llama", "both"], default="both")
+    parser.add_argument("--mlx", type=Path, help="MLX model folder (default: the embedded model's)")
+    parser.add_argument("--gguf", type=Path, help="GGUF file (default: the embedded model's)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=None,
+                        help="tokens decoded (default: 128; 64 in batch mode)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch", type=str, help="batch mode: comma-separated N, e.g. 1,4,8,16,32")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="batch mode: each prompt's length")
+    parser.add_argument("--prefill-budget", type=int, default=2048, help="batch mode: prompt tokens a step")
+    parser.add_argument("--constrained", type=int, default=0,
+                        help="batch mode: sequences that carry an allow-everything constraint")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    names = ["llama", "mlx"] if args.engine == "both" else [args.engine]
+    paths = {"llama": lambda: args.gguf or default_gguf(), "mlx": lambda: args.mlx or default_mlx_folder()}
+    if args.batch:
+        args.decode_tokens = args.decode_tokens or 64
+        batches = sorted({int(n) for n in args.batch.split(",")})
+        results = [measure_batches(name, paths[name](), batches, args) for name in names]
+        print_batch_table(results)
+    else:
+        args.decode_tokens = args.decode_tokens or 128
+        results = [measure(name, paths[name](), args.runs, args.decode_tokens, args.threads)
+                   for name in names]
+        print_ttft_table(results)
     if args.out:
         args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                         "results": results}, indent=2))

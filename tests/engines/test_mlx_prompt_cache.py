@@ -186,14 +186,22 @@ def test_counted_bytes_are_the_bytes_mlx_frees(models, kind):
         assert counted <= freed <= counted * 1.15
 
 
-def test_a_generation_closed_early_or_replaced_keeps_what_it_fed(models):
+def test_a_sequence_removed_early_keeps_what_it_fed(models):
+    """As the runtime ends a cancelled request: remove() after two tokens stores the state it holds;
+    one removed before its first step stores nothing."""
     cached, plain = make_pair(models, "llama")
     rng = random.Random(2)
     prompt = randoms(rng, 20)
     out, _ = run(cached, prompt, 3)
-    stale = cached.generate(prompt + out + [7], GREEDY)
-    second = [next(stale).token, next(stale).token]
-    cached.generate([5, 6, 7], GREEDY).close()  # starting another one closes (and stores) it
+    cached.add(7, prompt + out + [7], GREEDY, 10)
+    second = []
+    while len(second) < 2:
+        second += [step.token for seq, step in cached.step(CONTEXT) if seq == 7]
+    cached.remove(7)
+    entries = cached.cache_stats()["entries"]
+    cached.add(8, [5, 6, 7], GREEDY, 10)
+    cached.remove(8)
+    assert cached.cache_stats()["entries"] == entries
     follow = prompt + out + [7] + second + [9]
     assert run(cached, follow) == (run(plain, follow)[0], len(prompt + out) + 1 + len(fed(cached, second)))
 

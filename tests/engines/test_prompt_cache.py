@@ -191,3 +191,17 @@ def test_peek_tells_what_a_lookup_would_reuse_and_changes_nothing_and_record_cou
     cache.record(0)
     stats = cache.stats()
     assert (stats["hits"], stats["misses"], stats["tokens_reused"], stats["entries"]) == (1, 1, 30, 1)
+
+
+def test_resize_evicts_least_recently_used_entries_until_they_fit():
+    cache = PromptCache(1_000)
+    for start in (10, 20, 30):
+        store(cache, list(range(start, start + 10)))  # 100 bytes each
+    cache.lookup(list(range(10, 15)) + [99])  # a branch of the oldest: now the most recent
+    cache.resize(250)
+    stats = cache.stats()
+    assert (stats["entries"], stats["bytes"], stats["max_bytes"], stats["evictions"]) == (2, 200, 250, 1)
+    assert cache.lookup(list(range(20, 30)) + [99]) == (None, 0)  # the one evicted
+    cache.resize(1_000)  # growing evicts nothing
+    assert cache.stats()["entries"] == 2 and not store(cache, [1] * 20, nbytes=900).resumed
+    assert cache.stats()["bytes"] <= 1_000

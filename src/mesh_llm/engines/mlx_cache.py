@@ -1,12 +1,15 @@
-"""mlx-lm's layer caches as prompt-cache states (:class:`Frozen`, for ``prompt_cache.PromptCache``).
+"""mlx-lm's layer caches as prompt-cache states (:class:`Frozen`, for ``prompt_cache.PromptCache``), and
+what they cost in memory (:class:`Footprint`).
 
-Which layer caches can be cut back to a shorter prefix, how a stored one is handed out without two
-live caches sharing an array either would write, and how many bytes it really holds.
+Which layer caches can be cut back to a shorter prefix, which can be batched, how a stored one is
+handed out without two live caches sharing an array either would write, how many bytes it really
+holds, and how many one sequence of n tokens will hold.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from mesh_llm.engines.mlx_blas import ensure_fast_blas
@@ -14,7 +17,14 @@ from mesh_llm.engines.mlx_blas import ensure_fast_blas
 ensure_fast_blas()  # before mlx.core is first imported in the process
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from mesh_llm.engines.prompt_cache import available_memory
 
@@ -25,7 +35,58 @@ _KV_LIKE = (*_PLAIN_KV, RotatingKVCache)  # layer caches that own whole buffers
 def needs_checkpoints(cache: list[Any]) -> bool:
     """Whether a fresh cache has layers that cannot always be cut back (recurrent state, sliding
     windows): prefill then stores checkpoints."""
-    return not all(isinstance(c, _PLAIN_KV) for c in _leaves(cache))
+    return not all(isinstance(c, _PLAIN_KV) for c in leaves(cache))
+
+
+def unbatchable(cache: list[Any]) -> list[str]:
+    """The kinds of layer cache in a fresh cache that mlx-lm cannot batch (no ``merge``: chunked,
+    quantized or concatenating KV caches); [] when sequences of this model can share a forward pass."""
+    return sorted({type(c).__name__ for c in leaves(cache) if not hasattr(c, "merge")})
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The bytes one sequence's layer caches hold after n tokens: so many a token for KV layers (up
+    to their window, if they slide), a fixed size for recurrent state. Measured once per model."""
+
+    per_token: tuple[tuple[int, int | None], ...]  # (bytes a token, window or None) per KV layer
+    fixed: int  # recurrent/conv state, whatever the length
+    step: int = 256  # KV caches grow by this many tokens at a time
+
+    def bytes(self, tokens: int) -> int:
+        grown = -(-max(tokens, 1) // self.step) * self.step
+        return self.fixed + sum(b * (grown if w is None else min(grown, w)) for b, w in self.per_token)
+
+    @classmethod
+    def measure(cls, model) -> Footprint:
+        """From a one-token forward pass through a fresh cache."""
+        cache = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=cache)
+        arrays = [a for c in leaves(cache) for a in _arrays(c)]
+        mx.eval(arrays)
+        per_token, fixed = [], 0
+        for c in leaves(cache):
+            keys = getattr(c, "keys", None)
+            if isinstance(keys, (tuple, list)):  # quantized: (packed, scales, biases)
+                keys = keys[0]
+            if isinstance(keys, mx.array):
+                window = getattr(c, "max_size", None) or getattr(c, "chunk_size", None)
+                per_token.append((c.nbytes // keys.shape[-2], window))
+            else:
+                fixed += sum(a.nbytes for a in _arrays(c))
+        del cache, arrays
+        mx.clear_cache()
+        return cls(tuple(per_token), fixed)
+
+
+def _arrays(x: Any) -> list[mx.array]:
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [a for v in x for a in _arrays(v)]
+    if hasattr(x, "__dict__"):
+        return [a for v in vars(x).values() for a in _arrays(v)]
+    return []
 
 
 class Frozen:
@@ -44,7 +105,7 @@ class Frozen:
         self.nbytes = sum(a.nbytes for a in arrays)
         self.trimmable = all(isinstance(c, _PLAIN_KV) or
                              (isinstance(c, RotatingKVCache) and c.is_trimmable())
-                             for c in _leaves(cache))
+                             for c in leaves(cache))
 
     def resume(self, n: int, owned: bool) -> list[Any]:
         if owned:
@@ -67,9 +128,10 @@ def _trimmed_copy(c: Any, n: int) -> Any:
     return c
 
 
-def _leaves(cache: list[Any]) -> list[Any]:
+def leaves(cache: list[Any]) -> list[Any]:
+    """The layer caches of a model's cache list, CacheList hybrids opened up."""
     return [leaf for c in cache
-            for leaf in (_leaves(c.caches) if isinstance(c, CacheList) else [c])]
+            for leaf in (leaves(c.caches) if isinstance(c, CacheList) else [c])]
 
 
 def _freeze(cache: list[Any]) -> list[mx.array]:

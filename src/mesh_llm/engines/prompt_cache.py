@@ -141,6 +141,15 @@ class PromptCache:
             self._bytes += nbytes
             return True
 
+    def resize(self, max_bytes: int) -> None:
+        """A new byte budget (an engine's live sequences need more memory, or less): least recently
+        used entries are evicted until the stored states fit it."""
+        with self._lock:
+            self.max_bytes = max(0, int(max_bytes))
+            while self._entries and self._bytes > self.max_bytes:
+                self._remove(next(iter(self._entries)))
+                self._evictions += 1
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -1,0 +1,206 @@
+"""Sequences decoded together: one forward pass a step over a batch of rows, each sampled by its own
+settings, and the batch's layer caches kept in step as rows join and leave.
+
+A row joins once its prompt, all but the last token, is in its own layer caches (``mlx.py`` prefills
+it alone). The first row's caches are used as they are, so a lone sequence decodes exactly as it
+would unbatched; a second turns them into mlx-lm's batched caches (``merge``: KVCache ->
+BatchKVCache, RotatingKVCache -> BatchRotatingKVCache; ArraysCache and CacheList batch themselves),
+later ones are appended (``extend``). Rows of different lengths are right-aligned: a short row is
+left-padded to the longest and the padding masked, so the batch's KV takes rows x the longest row.
+A row that leaves is cut out: ``extract`` gives back its own caches (for the prompt cache) and
+``filter`` drops it. A join or a leave copies the batch's KV once.
+
+A step is :meth:`DecodeGroup.launch` (the forward pass and the sampling of unconstrained rows, queued),
+:meth:`DecodeGroup.finish` (constrained rows, once their previous token is known) and
+:meth:`DecodeGroup.read` (tokens to the host). On a GPU the engine reads step n after queuing step
+n+1, so the device never waits for Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mesh_llm.engines.mlx_blas import ensure_fast_blas
+
+ensure_fast_blas()  # before mlx.core is first imported in the process
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mesh_llm.engines.base import Step
+from mesh_llm.engines.mlx_sampling import (
+    RowSettings,
+    SequenceSampler,
+    mask_array,
+    reported,
+    sample,
+    split_keys,
+)
+
+
+class Row:
+    """What a group needs of a sequence (the engine's sequences subclass it)."""
+
+    sampler: SequenceSampler
+    tokens: list[int]  # prompt, then each sampled token once read
+    fed: int  # tokens whose state the group's caches hold (a queued step included)
+    reused: int  # prompt tokens resumed from a stored state, reported on the first step
+    first: bool  # no step reported yet
+    alive: bool  # still held by the engine
+
+
+@dataclass
+class Launch:
+    """One queued forward pass of a group: its rows then, and what it sampled."""
+
+    rows: list[Row]
+    settings: RowSettings
+    logprobs: mx.array
+    tokens: mx.array  # unconstrained rows' tokens until finish() adds the constrained ones
+    subkeys: mx.array | None
+    outputs: list[mx.array] = field(default_factory=list)  # set by finish()
+
+
+class DecodeGroup:
+    """Rows decoded in one forward pass: their layer caches, next inputs and PRNG keys."""
+
+    def __init__(self, model, vocab: int, eos: np.ndarray, pipelined: bool):
+        self._model, self._vocab, self._eos, self._pipelined = model, vocab, eos, pipelined
+        self.rows: list[Row] = []
+        self.unread: Launch | None = None  # queued on a GPU, read at the next step
+        self._caches: list[Any] | None = None
+        self._batched = False  # the caches are mlx-lm's batch caches (else one row's own)
+        self._inputs: mx.array | None = None  # int32, each row's next token
+        self._keys: mx.array | None = None  # uint32 (rows, 2)
+        self._settings: RowSettings | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, row: Row, caches: list[Any], first: int) -> None:
+        """Add a row whose caches hold its tokens but the last, ``first``, which it feeds next."""
+        if not self.rows:
+            self._caches, self._batched = caches, False
+        elif not self._batched:
+            self._caches = [type(a).merge([a, b]) for a, b in zip(self._caches, caches)]
+            self._batched = True
+        else:
+            for a, b in zip(self._caches, caches):
+                a.extend(type(b).merge([b]))
+        token = mx.array([first], dtype=mx.int32)
+        key = row.sampler.key[None]
+        self._inputs = token if self._inputs is None else mx.concatenate([self._inputs, token])
+        self._keys = key if self._keys is None else mx.concatenate([self._keys, key])
+        self.rows.append(row)
+        self._settings = None
+
+    def leave(self, row: Row) -> list[Any]:
+        """Remove a row; returns its own layer caches (holding its first ``row.fed`` tokens)."""
+        i = self.rows.index(row)
+        keep = [j for j in range(len(self.rows)) if j != i]
+        if not self._batched:
+            own, self._caches = self._caches, None
+        else:
+            own = [c.extract(i) for c in self._caches]
+            for c in self._caches if keep else ():
+                c.filter(keep)
+        self.rows.pop(i)
+        if keep:
+            index = mx.array(keep)
+            self._inputs, self._keys = self._inputs[index], self._keys[index]
+        else:
+            self._caches, self._batched, self._inputs, self._keys = None, False, None, None
+        self._settings = None
+        return own
+
+    def prefix(self, row: Row, n: int) -> list[KVCache]:
+        """A copy of the KV of a row's first ``n`` tokens (models whose layers are all plain KV)."""
+        i = self.rows.index(row)
+        out = []
+        for c in self._caches:
+            start = int(c.left_padding[i].item()) if isinstance(c, BatchKVCache) else 0
+            row_slice = slice(i, i + 1) if isinstance(c, BatchKVCache) else slice(None)
+            out.append(kv_copy(c.keys[row_slice, :, start:start + n], c.values[row_slice, :, start:start + n]))
+        return out
+
+    def launch(self) -> Launch:
+        """Queue one forward pass over every row, and the sampling of unconstrained rows."""
+        if self._settings is None:
+            self._settings = RowSettings([r.sampler for r in self.rows], self._vocab)
+        settings = self._settings
+        logits = self._model(self._inputs[:, None], cache=self._caches)[:, -1, :]
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        subkeys = None
+        if settings.sampled:
+            self._keys, subkeys = split_keys(self._keys)
+        tokens = sample(logprobs, settings, subkeys)
+        for r in self.rows:
+            r.fed += 1
+        launch = Launch(list(self.rows), settings, logprobs, tokens, subkeys)
+        if not settings.constrained:
+            self.finish(launch)
+        elif self._pipelined:
+            mx.async_eval(logprobs, tokens)
+        return launch
+
+    def finish(self, launch: Launch) -> None:
+        """Sample the constrained rows (their constraints must have seen every earlier token) and
+        queue what the step reads back."""
+        s, tokens = launch.settings, launch.tokens
+        if s.constrained:
+            chosen = mx.array(s.constrained)
+            masks = mx.array(np.stack([mask_array(launch.rows[i].sampler.constraint, self._vocab,
+                                                  self._eos) for i in s.constrained]))
+            subkeys = launch.subkeys[chosen] if launch.subkeys is not None else None
+            picked = sample(launch.logprobs[chosen], s.take(s.constrained), subkeys, masks)
+            where = np.zeros(len(launch.rows), dtype=np.int32)
+            where[s.constrained] = np.arange(len(s.constrained))
+            constrained = np.zeros(len(launch.rows), dtype=bool)
+            constrained[s.constrained] = True
+            tokens = mx.where(mx.array(constrained), picked[mx.array(where)], tokens)
+        launch.tokens = tokens
+        launch.outputs = [tokens, *reported(launch.logprobs, tokens, s)]
+        self._inputs = tokens
+        if self._pipelined:
+            mx.async_eval(launch.outputs)
+        else:
+            mx.eval(launch.outputs)
+
+    def read(self, launch: Launch) -> list[tuple[Row, Step]]:
+        """The step's tokens on the host, for the rows still held. Only whole arrays are read
+        (``tolist``): indexing one would queue an op behind the next step and wait for it."""
+        values = [a.tolist() for a in launch.outputs]
+        out = []
+        for i, row in enumerate(launch.rows):
+            if not row.alive:
+                continue
+            token = values[0][i]
+            row.tokens.append(token)
+            if row.sampler.constraint is not None:
+                row.sampler.constraint.advance(token)
+            cached, row.first = (row.reused if row.first else 0), False
+            params = row.sampler.params
+            if params.logprobs is None:
+                out.append((row, Step(token=token, cached_tokens=cached)))
+                continue
+            top = ()
+            if row.sampler.top_n:
+                pairs = sorted(zip(values[2][i], values[3][i]), key=lambda p: -p[1])
+                top = tuple(pairs[: row.sampler.top_n])
+            out.append((row, Step(token=token, logprob=values[1][i], top_logprobs=top,
+                                  cached_tokens=cached)))
+        return out
+
+
+def kv_copy(keys: mx.array, values: mx.array) -> KVCache:
+    """A plain KV cache owning a copy of ``keys`` and ``values`` (evaluated now, so that it keeps no
+    reference to the buffer it was cut from, which that buffer's owner then updates in place)."""
+    cache = KVCache()
+    cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
+    cache.offset = keys.shape[2]
+    mx.eval(cache.keys, cache.values)
+    return cache

@@ -1,0 +1,191 @@
+"""Loading a model into MLX: a Hugging Face safetensors folder or a llama GGUF file, built by mlx-lm's own
+classes (``mlx_lm.utils.load_model`` for folders; its ``_get_classes`` + ``sanitize`` + ``load_weights``
+steps for GGUF weights), so every architecture mlx-lm supports loads, then set to the precision the
+device serves fastest: float32 with dequantized weights on CPU, the source dtype (or ``--quantize``)
+on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from mesh_llm.engines.mlx_blas import ensure_fast_blas
+
+ensure_fast_blas()  # before mlx.core is first imported in the process
+
+import mlx.core as mx
+import mlx_lm
+from mlx import nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_model
+
+from mesh_llm.engines.base import EngineError, EngineOptions
+from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
+
+log = logging.getLogger(__name__)
+
+# MLX on CPU multiplies float32 through OpenBLAS' sgemm and has no fast path for 16-bit floats or
+# quantized weights. Measured on the 2-core EPYC (mlx 0.32.4, cmeel OpenBLAS): 2048³ matmul
+# float32 136 GFLOP/s, bfloat16 5.1, float16 2.9; 4096² matrix-vector float32 8 ms, bfloat16 12 ms.
+# So on CPU every floating weight is served as float32, quantized ones dequantized first.
+CPU_DTYPE = mx.float32
+QUANT_GROUP_SIZE = 64
+DEFAULT_CONTEXT = 4096  # for configs that state no max_position_embeddings
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config.get("text_config", {}), **config}
+
+
+def load_folder(path: Path):
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise EngineError(f"{config_file}: missing (not a Hugging Face model folder)")
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise EngineError(f"{config_file}: unreadable JSON ({first_line(e)})") from e
+    if not model_type:
+        raise EngineError(f"{config_file}: no model_type")
+    tokenizer = HFTokenizer.from_folder(path)
+    try:
+        model, config = load_model(path, lazy=True)
+    except FileNotFoundError as e:
+        raise EngineError(f"{path}: no model*.safetensors weight files") from e
+    except ValueError as e:
+        if "not supported" in str(e):
+            raise EngineError(
+                f"{config_file}: model_type {model_type!r} is not supported by mlx-lm "
+                f"{mlx_lm.__version__}"
+            ) from e
+        raise EngineError(f"{path}: {first_line(e)}") from e
+    except (RuntimeError, OSError, KeyError, TypeError) as e:
+        raise EngineError(f"{_bad_weight_file(path) or path}: {first_line(e)}") from e
+    return model, config, tokenizer, "safetensors"
+
+
+def _bad_weight_file(path: Path) -> Path | None:
+    """The first safetensors file MLX cannot open (its load errors do not always name it)."""
+    for file in sorted(path.glob("model*.safetensors")):
+        try:
+            mx.load(str(file))
+        except (RuntimeError, ValueError, OSError):
+            return file
+    return None
+
+
+def load_gguf(path: Path):
+    try:
+        from mesh_llm.models.gguf_convert import read_gguf
+    except ImportError as e:
+        raise EngineError(f"{path}: GGUF support (mesh_llm.models.gguf_convert) is missing") from e
+    try:  # quantized tensors stay quantized here; prepare dequantizes them on CPU
+        gguf = read_gguf(path, dtype=None)
+    except Exception as e:  # GGUFConvertError names the file; anything else gets it added
+        message = first_line(e)
+        raise EngineError(message if str(path) in message else f"{path}: {message}") from e
+    config = dict(gguf.config)
+    try:
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+        weights = model.sanitize(gguf.weights) if hasattr(model, "sanitize") else gguf.weights
+        if quant := config.get("quantization"):
+            # As load_model does: per-layer settings from the config, else inferred from shapes.
+            def predicate(p, m):
+                if p in quant:
+                    return quant[p]
+                if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+                    return False
+                return infer_quant_config(p, m, weights)
+
+            nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
+                        mode=quant.get("mode", "affine"), class_predicate=predicate)
+        model.eval()
+        model.load_weights(list(weights.items()), strict=True)
+    except (ValueError, KeyError, TypeError) as e:
+        raise EngineError(f"{path}: cannot build the {config.get('model_type')} model "
+                          f"({first_line(e)})") from e
+    eos = config.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    tokenizer = HFTokenizer.from_json(gguf.tokenizer_json, gguf.tokenizer_config, eos)
+    return model, config, tokenizer, "gguf"
+
+
+def on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def prepare(model: nn.Module, config: dict[str, Any], options: EngineOptions,
+             path: Path) -> dict[str, str]:
+    """Set the serving precision (lazily, before the weights are read) and describe it."""
+    quant = config.get("quantization")
+    source = quant_name(quant) if quant else float_dtype(model)
+    if not on_gpu():
+        if options.quantize:
+            log.warning("%s: quantize=%s ignored: MLX has no fast quantized CPU kernel",
+                        path, options.quantize)
+        model.set_dtype(CPU_DTYPE)  # first, so that scales and biases dequantize in float32
+        if quant:
+            dequantize_model(model)
+        return {"dtype": "float32", "quantization": f"dequantized from {source}" if quant else "none",
+                "source_dtype": source}
+    if options.quantize and not quant:
+        if options.quantize not in (4, 8):
+            raise EngineError(f"{path}: quantize must be 4 or 8, not {options.quantize}")
+        custom = getattr(model, "quant_predicate", None)
+
+        def predicate(p, m):
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % QUANT_GROUP_SIZE:
+                return False
+            return custom(p, m) if custom else True
+
+        nn.quantize(model, QUANT_GROUP_SIZE, options.quantize, class_predicate=predicate)
+        quant = {"bits": options.quantize, "group_size": QUANT_GROUP_SIZE, "mode": "affine"}
+    return {"dtype": float_dtype(model), "quantization": quant_name(quant) if quant else "none",
+            "source_dtype": source}
+
+
+def materialize(model: nn.Module, path: Path, progress) -> None:
+    """Read (and convert) the weights now, reporting progress in bytes as each tensor lands."""
+    params = [v for _, v in tree_flatten(model.parameters())]
+    total, done = sum(v.nbytes for v in params), 0
+    try:
+        for v in params:
+            mx.eval(v)
+            done += v.nbytes
+            if progress is not None:
+                progress(done, total)
+    except (RuntimeError, ValueError) as e:
+        raise EngineError(f"{path}: cannot read the weights ({first_line(e)})") from e
+
+
+def float_dtype(model: nn.Module) -> str:
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
+def quant_name(quant: dict[str, Any]) -> str:
+    return f"{quant.get('bits')}-bit {quant.get('mode', 'affine')} g{quant.get('group_size')}"
+
+
+def load_any(path: Path, options: EngineOptions, progress=None):
+    """``(model, config, tokenizer, model_format, details, context_length)`` for a folder or a GGUF
+    file, its weights read and converted; :class:`EngineError` with a one-line message otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        model, config, tokenizer, fmt = load_folder(path)
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        model, config, tokenizer, fmt = load_gguf(path)
+    elif path.exists():
+        raise EngineError(f"{path}: not a model folder or a .gguf file")
+    else:
+        raise EngineError(f"{path}: no such file or folder")
+    details = prepare(model, config, options, path)
+    materialize(model, path, progress)
+    ctx = options.ctx_size or text_config(config).get("max_position_embeddings") or DEFAULT_CONTEXT
+    return model, config, tokenizer, fmt, details, int(ctx)

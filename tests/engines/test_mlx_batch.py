@@ -1,0 +1,304 @@
+"""The MLX engine decoding many sequences together (add / step / remove), against each sequence alone.
+
+The embedded SmolLM2 (its imported MLX folder, float32 on this CPU): eight sequences with different
+prompts, lengths, sampling settings and start steps; sequences removed mid-prefill and mid-decode;
+per-row constraints; admission. Tiny random models from mlx-lm's own classes cover the other layer
+caches: sliding windows (gemma3), recurrent state (mamba), a conv + attention hybrid (lfm2), and
+chunked attention (llama4), which mlx-lm cannot batch.
+
+Alone and batched differ only by rounding: a decode step multiplies an (8, d) matrix instead of a
+(1, d) one, and rows shorter than the batch's longest are left-padded and masked. Measured on this
+CPU: logprobs within 3e-5 of the solo run's; the tolerance below is 1e-3.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mesh_llm.engines import engine_class, is_installed
+from mesh_llm.engines.base import EngineError, EngineOptions, NoCapacity, SamplingParams
+
+if not is_installed("mlx"):  # checked without importing mlx.core, which must come after the BLAS fix
+    pytest.skip("the mlx extra is not installed", allow_module_level=True)
+
+MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
+
+import mlx.core as mx
+from batch_runs import AllowOnly, Case, Forced, compare, run_alone, run_batched
+from mlx_lm.utils import _get_classes
+
+from mesh_llm.engines.hf_tokenizer import HFTokenizer
+from mesh_llm.runtime.chat import encode_chat
+
+TOLERANCE = 1e-3
+CONTEXT = 1024
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for learning a new language.",
+    "What does a compiler do? Keep it brief.",
+    "Describe how to make a cup of tea, step by step.",
+    "Write a haiku about autumn.",
+    "Explain photosynthesis to a child.",
+    "List five prime numbers.",
+    "Why is the sky blue?",
+]
+DOCUMENT = ("MLX is an array framework for machine learning research. Arrays live in shared memory and "
+            "operations run lazily: a graph is built and computed only when a result is needed. ") * 4
+
+
+def greedy(logprobs=5, constraint=None):
+    return lambda: SamplingParams(temperature=0, logprobs=logprobs, constraint=constraint)
+
+
+def seeded(seed, logprobs=0, **filters):
+    return lambda: SamplingParams(temperature=0.8, seed=seed, logprobs=logprobs, **filters)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """SmolLM2 with the prompt cache off (so that solo runs recompute everything), prefill in
+    32-token chunks."""
+    from mesh_llm.models import default_mlx_folder
+
+    engine = MLXEngine.load(default_mlx_folder(), EngineOptions(ctx_size=CONTEXT, prefill_step=32,
+                                                                cache_bytes=0))
+    yield engine
+    engine.close()
+
+
+def sibling(engine, pipelined=None, **options):
+    """Another engine on the same weights, with other options. ``pipelined``: queue each step before
+    reading the last, as on a GPU (the default there), to check that path on this CPU."""
+    return MLXEngine(engine._model, engine.tokenizer, {}, CONTEXT,
+                     EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined)
+
+
+def chat(engine, question, document=""):
+    content = f"{document}\n\n{question}" if document else question
+    return encode_chat(engine.tokenizer, [{"role": "user", "content": content}])
+
+
+def eight_cases(engine) -> list[Case]:
+    prompts = [chat(engine, q, DOCUMENT if i in (2, 5) else "") for i, q in enumerate(QUESTIONS)]
+    params = [greedy(), seeded(1), greedy(), seeded(2, top_k=20), greedy(logprobs=None),
+              seeded(3, logprobs=3, top_p=0.9), seeded(4, min_p=0.1), greedy(logprobs=2)]
+    lengths = [12, 16, 9, 14, 11, 16, 13, 10]
+    starts = [0, 0, 1, 3, 3, 4, 7, 9]
+    return [Case(p, m, n, s) for p, m, n, s in zip(prompts, params, lengths, starts)]
+
+
+def test_eight_sequences_match_their_solo_runs(smollm):
+    cases = eight_cases(smollm)
+    assert len({len(c.prompt) for c in cases}) >= 6 and max(len(c.prompt) for c in cases) > 150
+    alone = [run_alone(smollm, c) for c in cases]
+    batched = run_batched(smollm, cases, budget=64)
+    differ = []
+    for i, case in enumerate(cases):
+        assert [s.cached_tokens for s in batched[i]] == [0] * case.tokens
+        params = case.params()
+        if params.logprobs is None:  # no logprobs to compare: the greedy tokens must agree
+            assert [s.token for s in batched[i]] == [s.token for s in alone[i]]
+            continue
+        result = compare(alone[i], batched[i], TOLERANCE)
+        if params.temperature > 0:  # a seeded row draws the same noise alone and batched
+            assert result.diverged_at is None
+        if result.diverged_at is not None:
+            differ.append((i, result))
+        assert all(len(s.top_logprobs) == (params.logprobs or 0) for s in batched[i])
+    print(f"\n{len(differ)} of 8 sequences diverge from their solo runs: {differ}")
+    assert smollm.cache_stats()["entries"] == 0
+
+
+def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(smollm):
+    prompt = chat(smollm, QUESTIONS[1])
+    case = Case(prompt, seeded(7), 16)
+    others = [Case(chat(smollm, q), seeded(100 + i), 16) for i, q in enumerate(QUESTIONS[2:5])]
+    alone = [s.token for s in run_alone(smollm, case)]
+    batched = run_batched(smollm, [*others, case], budget=4096)
+    assert [s.token for s in batched[3]] == alone
+    other_seed = Case(prompt, seeded(8), 16)
+    assert [s.token for s in run_alone(smollm, other_seed)] != alone
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
+def test_removing_one_mid_prefill_and_one_mid_decode_leaves_the_others_unchanged(smollm, pipelined):
+    engine = sibling(smollm, pipelined, cache_bytes=0)
+    cases = [Case(chat(smollm, QUESTIONS[0]), greedy(), 14),
+             Case(chat(smollm, QUESTIONS[3]), greedy(), 14),  # removed after 4 decode steps
+             Case(chat(smollm, QUESTIONS[4], DOCUMENT), greedy(), 14, start=2),  # removed mid-prefill
+             Case(chat(smollm, QUESTIONS[6]), seeded(5, logprobs=2), 14, start=1)]
+    alone = {i: run_alone(smollm, cases[i]) for i in (0, 3)}
+    # Budget 32: the document's prompt (> 150 tokens) is still being read 3 steps after it came.
+    batched = run_batched(engine, cases, budget=32, leave={1: 6, 2: 3})
+    assert len(batched[2]) == 0 and 0 < len(batched[1]) < 14
+    assert compare(alone[3], batched[3], TOLERANCE).diverged_at is None  # seeded: the same draws
+    compare(alone[0], batched[0], TOLERANCE)  # greedy: the same tokens, or a near-tie
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
+def test_constraints_are_obeyed_per_row_and_leave_the_other_rows_alone(smollm, pipelined):
+    """A constrained row's mask depends on its previous token: pipelined, the batch's next forward
+    pass is queued before that token is read, and the constrained rows are sampled after it."""
+    engine = sibling(smollm, pipelined, cache_bytes=0)
+    vocab = smollm.tokenizer.vocab_size
+    digits = [smollm.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    words = smollm.tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    forced = smollm.tokenizer.encode(" one two three four five six", add_special_tokens=False)
+    free = [Case(chat(smollm, QUESTIONS[i]), greedy(), 10) for i in (0, 6)]
+    free.append(Case(chat(smollm, QUESTIONS[7]), seeded(9, logprobs=1), 10))
+    alone = [run_alone(smollm, c) for c in free]
+    constraints = [AllowOnly(digits, vocab), AllowOnly(words, vocab), Forced(forced, vocab)]
+    constrained = [Case(chat(smollm, QUESTIONS[6]), greedy(constraint=constraints[0]), 10),
+                   Case(chat(smollm, QUESTIONS[1]), seeded(11, constraint=constraints[1]), 10, start=1),
+                   Case(chat(smollm, QUESTIONS[2]), seeded(12, constraint=constraints[2]), 10, start=2)]
+    cases = [free[0], *constrained, *free[1:]]
+    batched = run_batched(engine, cases, budget=4096, params=[c.params() for c in cases])
+    got = [[s.token for s in batched[i]] for i in range(1, 4)]
+    assert set(got[0]) <= set(digits) and set(got[1]) <= set(words)
+    assert got[2] == (forced * 2)[:10]
+    for tokens, constraint in zip(got, constraints):
+        assert constraint.seen == tokens  # told of every token, in order
+    for i, j in ((0, 0), (4, 1), (5, 2)):
+        assert compare(alone[j], batched[i], TOLERANCE).diverged_at is None
+
+
+def test_admission_stops_at_max_batch_and_at_the_memory_the_kv_needs(smollm):
+    engine = sibling(smollm, max_batch=3, cache_bytes=0)
+    assert engine.max_batch == 3 and engine.info().details["max_batch"] == "3"
+    prompt = chat(engine, QUESTIONS[0])
+    for seq in range(3):
+        engine.add(seq, prompt, SamplingParams(temperature=0), 4)
+    with pytest.raises(NoCapacity):
+        engine.add(3, prompt, SamplingParams(temperature=0), 4)
+    with pytest.raises(ValueError):
+        engine.add(1, prompt, SamplingParams(temperature=0), 4)  # an id already held
+    engine.remove(1)
+    engine.add(3, prompt, SamplingParams(temperature=0), 4)
+    with pytest.raises(EngineError):
+        engine.score(prompt)  # only while no sequence is held
+    for seq in (0, 2, 3):
+        engine.remove(seq)
+    assert engine.score(prompt).shape == (len(prompt), engine.tokenizer.vocab_size)
+    # A context of 4M tokens: SmolLM2's float32 KV (46 KB a token) for one full sequence is more
+    # memory than this machine (or an H200) has.
+    default = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000, EngineOptions(), {}, "safetensors")
+    assert default.max_batch == 1
+    huge = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000, EngineOptions(max_batch=4), {},
+                     "safetensors")
+    with pytest.raises(EngineError, match="KV"):
+        huge.add(0, prompt, SamplingParams(temperature=0), 3_999_000)
+    huge.add(0, prompt, SamplingParams(temperature=0), 100)
+    with pytest.raises(NoCapacity):
+        huge.add(1, prompt, SamplingParams(temperature=0), 3_999_000)
+
+
+def test_the_prompt_cache_yields_memory_to_live_sequences(smollm):
+    engine = sibling(smollm, cache_bytes=1 << 50)  # as large as the engine's memory allows
+    idle = engine.cache_stats()["max_bytes"]
+    assert idle < 1 << 50
+    engine.add(0, chat(engine, QUESTIONS[0]), SamplingParams(temperature=0), CONTEXT - 100)
+    busy = engine.cache_stats()["max_bytes"]
+    assert busy < idle
+    engine.remove(0)
+    assert engine.cache_stats()["max_bytes"] == idle
+
+
+def test_sequences_resume_from_stored_and_live_states(smollm):
+    """One document, four questions arriving together: the first reads the document, the others
+    wait for it and copy its state; a later one resumes from a running sequence; each answers as it
+    does alone."""
+    engine = sibling(smollm, cache_bytes=1 << 30)
+    cases = [Case(chat(engine, q, DOCUMENT), greedy(), 8) for q in QUESTIONS[:4]]
+    shared = min(common(cases[0].prompt, c.prompt) for c in cases[1:])
+    assert shared > 150
+    alone = [run_alone(smollm, c) for c in cases]
+    batched = run_batched(engine, cases, budget=64)
+    assert batched[0][0].cached_tokens == 0
+    assert all(batched[i][0].cached_tokens >= shared for i in (1, 2, 3))
+    for i in range(4):
+        assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None
+    # A running sequence shares more with the next prompt than any stored state does.
+    first = Case(chat(engine, QUESTIONS[5], DOCUMENT), greedy(), 12)
+    follow = Case(first.prompt, greedy(), 6, start=4)  # the same request again, while it runs
+    batched = run_batched(engine, [first, follow], budget=4096)
+    assert batched[1][0].cached_tokens == len(follow.prompt) - 1
+    assert compare(run_alone(smollm, follow), batched[1], TOLERANCE).diverged_at is None
+    stats = engine.cache_stats()
+    assert stats["hits"] >= 4 and stats["entries"] >= 1
+
+
+def common(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# -- other kinds of layer cache: tiny random models from mlx-lm's own classes --------------------
+
+KINDS = {
+    "gemma3": {"model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 64,
+               "num_hidden_layers": 4, "intermediate_size": 96, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+               "sliding_window": 8, "sliding_window_pattern": 2, "max_position_embeddings": 256},
+    "mamba": {"model_type": "mamba", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+              "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
+              "use_conv_bias": True, "time_step_rank": 8},
+    "lfm2": {"model_type": "lfm2", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
+             "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0,
+             "block_auto_adjust_ff_dim": False, "block_ff_dim": 96, "full_attn_idxs": [1]},
+    "llama4": {"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4,
+        "intermediate_size": 96, "intermediate_size_mlp": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+        "attention_chunk_size": 8, "interleave_moe_layer_step": 2, "num_local_experts": 2,
+        "num_experts_per_tok": 1, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0,
+        "use_qk_norm": True, "max_position_embeddings": 256}},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(checkpoints):
+    tokenizer = HFTokenizer.from_folder(checkpoints["llama"].path)
+    built = {}
+    for kind, config in KINDS.items():
+        mx.random.seed(sum(map(ord, kind)))
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+        built[kind] = (model, tokenizer, config)
+    return built
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_other_layer_caches_serve_several_sequences(tiny_models, kind, pipelined):
+    """Sliding windows that wrap, recurrent and hybrid state batch; llama4's chunked attention
+    cannot, so its sequences take one forward pass each, beside one another: bit for bit as alone."""
+    model, tokenizer, config = tiny_models[kind]
+    engine = MLXEngine(model, tokenizer, config, 256, EngineOptions(prefill_step=4, cache_bytes=0), {},
+                       "safetensors", pipelined=pipelined)
+    batches = "cannot batch" not in engine.info().details["batching"]
+    assert batches == (kind != "llama4")
+    rng = random.Random(kind)
+    cases = [Case([rng.randrange(3, 320) for _ in range(n)], greedy(), 20, start)
+             for n, start in ((5, 0), (23, 0), (11, 2), (30, 5))]
+    cases[1].params = seeded(3, logprobs=2)
+    alone = [run_alone(engine, c) for c in cases]
+    batched = run_batched(engine, cases, budget=8, leave={3: 12})
+    for i in range(3):
+        if batches:
+            assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None
+        else:
+            assert batched[i] == alone[i]
+    assert 0 < len(batched[3]) < 20
+
+
+def test_a_bad_constraint_mask_ends_the_sequence_instead(smollm):
+    """A mask that allows nothing gives the end-of-sequence token, not a token it forbids."""
+    vocab = smollm.tokenizer.vocab_size
+    nothing = AllowOnly([], vocab)
+    steps = run_alone(smollm, Case(chat(smollm, QUESTIONS[0]), greedy(constraint=nothing), 2))
+    assert {s.token for s in steps} <= set(smollm.tokenizer.eos_token_ids)
