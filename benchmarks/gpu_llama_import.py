@@ -20,10 +20,10 @@ import sys
 import textwrap
 
 LOAD = textwrap.dedent("""
-    import ctypes, sys
+    import ctypes, os, sys
     import llama_cpp.llama_cpp as ll
     ll.llama_backend_init()
-    mp = ll.llama_model_default_params(); mp.n_gpu_layers = 99
+    mp = ll.llama_model_default_params(); mp.n_gpu_layers = int(os.environ.get('NGL', '99'))
     model = ll.llama_model_load_from_file(sys.argv[1].encode(), mp)
     assert model, "load failed"
     cp = ll.llama_context_default_params(); cp.n_ctx = 256
@@ -38,6 +38,9 @@ VARIANTS = {
     "numpy first": ("import numpy", {}),
     "numpy first, OPENBLAS_NUM_THREADS=1": ("import numpy", {"OPENBLAS_NUM_THREADS": "1"}),
     "numpy first, OMP_NUM_THREADS=1": ("import numpy", {"OMP_NUM_THREADS": "1"}),
+    "numpy first, no layer on the GPU": ("import numpy", {"NGL": "0"}),
+    "numpy first, CUDA initialised before it": (
+        "import ctypes; cuda = ctypes.CDLL('libcuda.so.1'); assert cuda.cuInit(0) == 0; import numpy", {}),
     "numpy's openblas lib only (RTLD_LOCAL)": (
         "import ctypes, glob, importlib.util, os\n"
         "root = os.path.dirname(importlib.util.find_spec('numpy').origin)\n"

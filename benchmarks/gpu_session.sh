@@ -9,6 +9,9 @@
 # then either the single-stream matrix, GPU tests and prompt cache:
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx     # GPU tests, MLX runs
 #   4. carry []                 bash benchmarks/gpu_session.sh llama   # llama-server and mesh-llm llama
+# or the engines' own GPU checks (issues 9, 10):
+#   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx-gpu    # MLX GPU tests, raw batched decode
+#   4. carry []                 bash benchmarks/gpu_session.sh llama-gpu  # CUDA load crash, GPU tests, raw batch
 # or the concurrency matrix (`mesh-llm bench --concurrency`: 0.5B at 1, 8, 32 streams, 7B at 1, 8):
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh conc-mlx      # mesh-mlx      (at most 9 min)
 #   4. carry []                 bash benchmarks/gpu_session.sh conc-mlx-lm   # mlx_lm.server (at most 6 min)
@@ -116,6 +119,28 @@ llama)
   cp /tmp/bench-llama/results.jsonl "$OUT/llama-results.jsonl"
   cp /tmp/bench-llama/summary.json "$OUT/llama-summary.json"
   tail -c 2000 /tmp/bench-llama/logs/*mesh-llama* 2>/dev/null || true
+  ;;
+mlx-gpu)  # GPU tests of the MLX engine, and its raw batched decode (no server)
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  wait_model qwen2.5-0.5b
+  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 240 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -25 || true
+  timeout 150 python3 benchmarks/engines.py --engine mlx --mlx "$models/qwen2.5-0.5b-mlx" --batch 1,8,32 \
+    --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-mlx-0.5b.json" 2>&1 | tail -8 || true
+  wait_model qwen2.5-7b
+  timeout 150 python3 benchmarks/engines.py --engine mlx --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 \
+    --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-mlx-7b.json" 2>&1 | tail -8 || true
+  ;;
+llama-gpu)  # issue 9: the CUDA load crash, variant by variant; the engine's GPU tests; raw batched decode
+  LLAMA_IMPORT_FIRST=0 llama_env
+  wait_model qwen2.5-0.5b
+  timeout 200 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" 2>&1 | tail -40 || true
+  MESH_LLM_GPU_GGUF=$models/qwen2.5-0.5b.gguf timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/engines/test_llama_gpu.py 2>&1 | tee "$OUT/llama-gpu-tests.log" | tail -25 || true
+  timeout 150 python3 benchmarks/engines.py --engine llama --gguf "$models/qwen2.5-0.5b.gguf" --batch 1,8,32 \
+    --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-llama-0.5b.json" 2>&1 | tail -8 || true
   ;;
 conc-mlx)
   source .device/b/install-mlx.sh
