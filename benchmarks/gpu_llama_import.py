@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 LOAD = textwrap.dedent("""
     import ctypes, os, sys
@@ -64,10 +66,28 @@ def run(prelude: str, env: dict, model: str, debugger: bool = False) -> tuple[in
     code = prelude + "\n" + LOAD
     argv = [sys.executable, "-c", code, model]
     if debugger:
-        argv = ["cuda-gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "-ex", "info sharedlibrary",
-                "--args", *argv]
+        argv = ["cuda-gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
-    return done.returncode, (done.stdout + done.stderr)[-6000:]
+    out = done.stdout + "\n" + done.stderr
+    if debugger:  # the frames and the signal, not the program's own log
+        out = "\n".join(line for line in out.splitlines()
+                        if line.startswith("#") or "SIG" in line or "signal" in line)
+    return done.returncode, out[-6000:]
+
+
+def bindings(prelude: str, model: str) -> dict[str, str]:
+    """Which library each symbol that libllama/libggml* look up was bound to (LD_DEBUG=bindings)."""
+    env = {"LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": "/tmp/ld-bindings"}
+    for old in Path("/tmp").glob("ld-bindings*"):
+        old.unlink()
+    run(prelude, env, model)
+    found = {}
+    for log in Path("/tmp").glob("ld-bindings*"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = re.search(r"binding file (\S+) \[0\] to (\S+) \[0\]: normal symbol `([^']+)'", line)
+            if m and ("libggml" in m.group(1) or "libllama" in m.group(1)):
+                found[f"{Path(m.group(1)).name}:{m.group(3)}"] = Path(m.group(2)).name
+    return found
 
 
 def main() -> None:
@@ -83,6 +103,12 @@ def main() -> None:
             r["backtrace"] = out
             print(f"\n=== {name}: cuda-gdb ===\n{out[-4000:]}", flush=True)
             break
+    good, bad = bindings("", model), bindings("import numpy", model)
+    differ = {k: (good.get(k), bad.get(k)) for k in set(good) | set(bad) if good.get(k) != bad.get(k)}
+    results["bindings that differ (llama first, numpy first)"] = differ
+    print(f"\n=== {len(differ)} symbols of libllama/libggml bound elsewhere after numpy ===")
+    for k, (a, b) in sorted(differ.items())[:60]:
+        print(f"{k:70s} {a} -> {b}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "llama-import.json"), "w") as f:
             json.dump(results, f, indent=1)

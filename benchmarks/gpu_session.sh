@@ -133,6 +133,19 @@ mlx-gpu)  # GPU tests of the MLX engine, and its raw batched decode (no server)
   timeout 150 python3 benchmarks/engines.py --engine mlx --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 \
     --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-mlx-7b.json" 2>&1 | tail -8 || true
   ;;
+profile)  # where an MLX decode step's time goes; the MLX GPU tests, verbose
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  wait_model qwen2.5-0.5b
+  timeout 200 python3 benchmarks/gpu_mlx_step.py "$models/qwen2.5-0.5b-mlx" 2>&1 | tail -14 || true
+  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
+    --durations=10 tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -30 || true
+  ;;
+llama-diag)  # issue 9: the CUDA load crash, variant by variant, with a backtrace and the bindings
+  LLAMA_IMPORT_FIRST=0 llama_env
+  wait_model qwen2.5-0.5b
+  timeout 400 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" 2>&1 | tail -90 || true
+  ;;
 llama-gpu)  # issue 9: the CUDA load crash, variant by variant; the engine's GPU tests; raw batched decode
   LLAMA_IMPORT_FIRST=0 llama_env
   wait_model qwen2.5-0.5b
