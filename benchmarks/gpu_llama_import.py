@@ -59,6 +59,13 @@ VARIANTS = {
         "    if os.path.exists(p): ctypes.CDLL(p, ctypes.RTLD_GLOBAL)\n"
         "import numpy", {}),
     "mesh_llm.engines.llama (as served)": ("import mesh_llm.engines.llama", {}),
+    "numpy first, ggml libs then preloaded with RTLD_DEEPBIND": (
+        "import numpy, ctypes, os\n"
+        "d = os.environ['LLAMA_CPP_LIB_PATH']\n"
+        "flags = os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_DEEPBIND\n"
+        "for n in ('libggml-base.so', 'libggml-cpu.so', 'libggml-cuda.so', 'libggml.so', 'libllama.so'):\n"
+        "    p = os.path.join(d, n)\n"
+        "    if os.path.exists(p): ctypes.CDLL(p, flags)", {}),
 }
 
 
@@ -92,18 +99,19 @@ def bindings(prelude: str, model: str) -> dict[str, str]:
 
 def main() -> None:
     model = sys.argv[1]
+    quick = "--quick" in sys.argv  # the variants alone: no debugger, no bindings
     results = {}
     for name, (prelude, env) in VARIANTS.items():
         code, out = run(prelude, env, model)
-        results[name] = {"returncode": code, "ok": code == 0 and "decoded" in out, "tail": out[-1500:]}
+        results[name] = {"returncode": code, "ok": code == 0, "tail": out[-1500:]}
         print(f"{name:45s} exit {code:4d}  {'ok' if results[name]['ok'] else 'FAILED'}", flush=True)
     for name, r in results.items():
-        if not r["ok"] and r["returncode"] < 0:
+        if not quick and not r["ok"] and r["returncode"] < 0:
             code, out = run(*VARIANTS[name], model, debugger=True)
             r["backtrace"] = out
             print(f"\n=== {name}: cuda-gdb ===\n{out[-4000:]}", flush=True)
             break
-    good, bad = bindings("", model), bindings("import numpy", model)
+    good, bad = ({}, {}) if quick else (bindings("", model), bindings("import numpy", model))
     differ = {k: (good.get(k), bad.get(k)) for k in set(good) | set(bad) if good.get(k) != bad.get(k)}
     results["bindings that differ (llama first, numpy first)"] = differ
     print(f"\n=== {len(differ)} symbols of libllama/libggml bound elsewhere after numpy ===")

@@ -87,7 +87,7 @@ build)
   echo "llama.cpp build started"
   # the random-weight models, from a copy of the code (the next calls replace the working tree)
   rm -rf /tmp/synth-src && cp -r src /tmp/synth-src
-  (cd /tmp && PYTHONPATH=/tmp/synth-src:/tmp/site setsid nohup bash -c 'for shape in qwen2.5-0.5b qwen2.5-7b; do
+  (cd /tmp && PYTHONPATH=/tmp/synth-src:/tmp/site setsid nohup bash -c 'for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
       python3 -m mesh_llm.bench.synth $shape /tmp/models --vocab /tmp/vocab/ggml-vocab-qwen2.gguf &&
         touch /tmp/models/$shape.done; done' > /tmp/models.log 2>&1 & echo $! > "$models/synth.pid")
   echo "models started"
@@ -159,8 +159,8 @@ conc-mlx)
   source .device/b/install-mlx.sh
   export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
   mkdir -p "$conc"
-  run_conc qwen2.5-0.5b 1,8,32 mesh-mlx 240
-  run_conc qwen2.5-7b 1,8 mesh-mlx 130
+  run_conc qwen2.5-0.5b 1,8,32 mesh-mlx "${MLX_BUDGET_05:-240}"
+  [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 mesh-mlx 130
   logs_to_out conc-mlx-logs.tar.gz
   ;;
 conc-mlx-lm)
@@ -174,8 +174,9 @@ conc-llama)
   llama_env
   mkdir -p "$conc"
   LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
-  run_conc qwen2.5-0.5b 1,8,32 llama-server,mesh-llama 240
-  run_conc qwen2.5-7b 1,8 llama-server,mesh-llama 180
+  timeout 120 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" --quick 2>&1 | grep exit || true
+  run_conc qwen2.5-0.5b 1,8,32 llama-server,mesh-llama "${LLAMA_BUDGET_05:-240}"
+  [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 llama-server,mesh-llama 180
   # one report of every concurrency run of this session (the llama runs first: their machine notes
   # name the llama-server build), its table printed last
   mapfile -t runs < <(ls -d "$conc"/*-conc-llama "$conc"/*-conc-mlx "$conc"/*-conc-mlx-lm 2>/dev/null)

@@ -55,7 +55,7 @@ def test_disconnect_frees_the_worker(server_factory):
 
 
 def test_full_queue_answers_429_with_retry_after(server_factory):
-    server = server_factory("--engine", "llama", "--max-queue", "1")
+    server = server_factory("--engine", "llama", "--max-batch", "1", "--max-queue", "1")
     results: dict[str, int] = {}
 
     def run(name: str):

@@ -233,6 +233,7 @@ class MLXEngine(Engine):
         ids = [int(t) for t in tokens]
         if not ids or min(ids) < 0 or max(ids) >= self._vocab or len(ids) > self._context:
             raise ValueError(f"score needs 1 to {self._context} token ids in [0, {self._vocab})")
+        self._end_solo()  # a generate() left open (parity checks) ends here, as in the llama engine
         if self._seqs:
             raise EngineError("score() runs only while no sequence is held")
         cache, step = make_prompt_cache(self._model), max(1, self._options.prefill_step)
