@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
 
-from mesh_llm.bench.charts import write_charts, write_concurrency_charts
-from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report
-from mesh_llm.bench.concurrency_summary import summarize_levels
-from mesh_llm.bench.report import console_tables, write_report
-from mesh_llm.bench.summary import summarize
+os.environ.setdefault("MESH_LLM_LLAMA_FIRST", "0")  # matplotlib runs here, llama.cpp never (mesh_llm/native.py)
+
+from mesh_llm.bench.charts import write_charts, write_concurrency_charts  # noqa: E402
+from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report  # noqa: E402
+from mesh_llm.bench.concurrency_summary import summarize_levels  # noqa: E402
+from mesh_llm.bench.report import console_tables, write_report  # noqa: E402
+from mesh_llm.bench.summary import summarize  # noqa: E402
 
 
 def main() -> None:

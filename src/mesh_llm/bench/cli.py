@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import replace
 from datetime import datetime
@@ -113,7 +114,7 @@ def bench_command(
 
     summary = summarized(records, _settings_json(plan, started), describe(settings.llama_server))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    charts = charted(summary, out)
+    charts = _charts(charted, summary, out)
     report = reported(summary, out, charts)
     tables = Console(width=None if Console().is_terminal else 160 if levels else 140)
     for table in tabled(summary):
@@ -187,3 +188,19 @@ def _settings_json(plan: Plan, started: datetime) -> dict:
                                  "per_level": b.restarts_per_level(s), "command": b.command(top)}
                                 for b in plan.backends]
     return settings
+
+
+def _charts(writer, summary: dict, out: Path) -> list[Path]:
+    """The charts, drawn in a child process when this one loaded a llama.cpp build that carries its own
+    libstdc++ first (``mesh_llm/native.py``): matplotlib's C++ code must not share a process with it."""
+    from mesh_llm import children, native
+
+    if not native.loaded_first():
+        return writer(summary, out)
+    code = ("import json, sys; from pathlib import Path; from mesh_llm.bench import charts; "
+            f"print('\\n'.join(map(str, charts.{writer.__name__}(json.load(open(sys.argv[1])), Path(sys.argv[2])))))")
+    done = children.run([sys.executable, "-c", code, str(out / "summary.json"), str(out)], capture_output=True,
+                        text=True, check=False, env={**os.environ, "MESH_LLM_LLAMA_FIRST": "0"})
+    if done.returncode != 0:
+        console.print(f"[yellow]warning:[/] no charts: {done.stderr.strip()[-400:]}", highlight=False)
+    return [Path(line) for line in done.stdout.split("\n") if line.strip()]

@@ -24,8 +24,13 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-import llama_cpp.llama_cpp as ll
-import numpy as np
+from mesh_llm import native
+
+if problem := native.llama_load_problem():  # a build that would crash here: say why instead
+    raise ImportError(problem)
+
+import llama_cpp.llama_cpp as ll  # noqa: E402
+import numpy as np  # noqa: E402
 
 from mesh_llm.engines import llama_cache
 from mesh_llm.engines.base import (

@@ -1,0 +1,108 @@
+"""Load order for llama.cpp builds that carry their own copy of libstdc++'s locale objects (issue 9).
+
+CUDA builds of llama.cpp compiled through nvcc can define and export libstdc++'s locale facet ids
+(``std::numpunct<char>::id`` and 40 more) and the stream code that uses them inside
+``libggml-cuda.so`` itself: seen with llama-cpp-python 0.3.36 built for CUDA 13 on the H200 (1,538
+``std::`` symbols defined there). Facet ids are STB_GNU_UNIQUE symbols, bound process-wide to the
+first definition loaded. When ``libstdc++.so.6`` is loaded first (numpy, MLX and most C++
+extensions load it), libggml-cuda's own locale code indexes facets with ids numbered by the other
+copy, and its first ``ostream << long`` (``llama_model::print_info`` at model load) dies with SIGSEGV
+(cuda-gdb: ``std::codecvt<char16_t>::do_unshift`` in libggml-cuda.so, from ``_M_insert<long>``);
+``LD_DEBUG=bindings`` shows exactly these 85 symbols moving to libstdc++.so.6 when numpy comes first
+(``benchmarks/gpu_llama_import.py``, results in ``benchmarks/results/h200-conc-20261203/``). The other
+order works for serving, but then another C++ library's locale code may be the one that crashes
+(matplotlib did, in a benchmark harness that had loaded llama.cpp first).
+
+So a process loads such a build before any C++ library: importing ``mesh_llm`` does it first thing
+(CLI, ``python -m mesh_llm``, tests, a user's ``import mesh_llm`` made before numpy), and the llama
+engine refuses with a clear message, instead of crashing, when it would be loaded too late. Builds
+that keep libstdc++ to itself (CPU builds, Metal) are left alone and cost nothing but a symbol check.
+``MESH_LLM_LLAMA_FIRST=0`` turns the early load off, for a process that will not serve GGUF models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+# libstdc++'s locale facet ids, in the new and old string ABI: defined by a library that carries a copy
+FACET_IDS = frozenset({"_ZNSt7__cxx118numpunctIcE2idE", "_ZNSt8numpunctIcE2idE"})
+
+_state: str | None = None  # "safe", "first", "late:<library>", or "off"
+
+
+def library_dir() -> Path | None:
+    """Where llama-cpp-python loads llama.cpp from (``LLAMA_CPP_LIB_PATH`` or its own lib/)."""
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        return Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return Path(spec.origin).parent / "lib"
+
+
+def carries_cxx_runtime(library: Path) -> bool:
+    """Whether a shared library defines (not just uses) libstdc++'s locale facet ids."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        with open(library, "rb") as f:
+            dynsym = ELFFile(f).get_section_by_name(".dynsym")
+            if dynsym is None:
+                return False
+            return any(sym.name in FACET_IDS and sym["st_shndx"] != "SHN_UNDEF"
+                       for sym in dynsym.iter_symbols())
+    except (OSError, ELFError):
+        return False
+
+
+def cxx_runtime_loaded() -> bool:
+    """Whether libstdc++ is already mapped into this process."""
+    try:
+        return "libstdc++" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def prepare_llama() -> None:
+    """Load a llama.cpp build that carries libstdc++ before anything else can (once per process)."""
+    global _state
+    if _state is not None:
+        return
+    if os.environ.get("MESH_LLM_LLAMA_FIRST") == "0" or not sys.platform.startswith("linux"):
+        _state = "off"
+        return
+    folder = library_dir()
+    risky = [lib for lib in sorted(folder.glob("libggml*.so*")) if not lib.is_symlink()
+             and carries_cxx_runtime(lib)] if folder is not None and folder.is_dir() else []
+    if not risky:
+        _state = "safe"
+    elif "llama_cpp.llama_cpp" in sys.modules:
+        _state = "first"  # loaded by someone else: whether early enough, the load will tell
+    elif cxx_runtime_loaded():
+        _state = f"late:{risky[0]}"
+    else:
+        import llama_cpp.llama_cpp  # noqa: F401 - the point: its libraries before any other C++ one
+
+        _state = "first"
+
+
+def loaded_first() -> bool:
+    """Whether this process loaded a llama.cpp build that carries libstdc++ ahead of the rest."""
+    return _state == "first"
+
+
+def llama_load_problem() -> str | None:
+    """Why the llama engine must not load in this process, or None."""
+    if _state is None or not _state.startswith("late:"):
+        return None
+    library = _state.removeprefix("late:")
+    return (f"{library} carries its own copy of libstdc++'s locale objects and crashes when another "
+            "C++ library (numpy, MLX) was loaded first; import mesh_llm before those (mesh-llm serve "
+            "does), or rebuild llama-cpp-python so that its CUDA library keeps them hidden")

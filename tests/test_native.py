@@ -1,0 +1,94 @@
+"""Load order for llama.cpp builds that carry their own libstdc++ (mesh_llm/native.py): the check on real
+ELF files, and what `import mesh_llm` does with such a build before and after another C++ library.
+
+The crash itself needs the CUDA build on the GPU machine (tests/engines/test_llama_gpu.py). Here a
+library built like it (C++ code linked with a static libstdc++, so it defines and exports the locale
+facet ids) sits beside the real CPU llama.cpp libraries in LLAMA_CPP_LIB_PATH, which makes the build
+look like the CUDA one to the check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh_llm import native
+
+SOURCE = '#include <sstream>\nextern "C" int describe(long v) { std::ostringstream s; s << v; return s.str().size(); }\n'
+
+
+def build(tmp: Path, name: str, static: bool) -> Path:
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build a test library")
+    src = tmp / "lib.cpp"
+    src.write_text(SOURCE)
+    out = tmp / name
+    flags = ["-static-libstdc++"] if static else []
+    subprocess.run(["g++", "-shared", "-fPIC", *flags, "-o", str(out), str(src)], check=True)
+    return out
+
+
+def test_a_library_with_a_static_libstdcxx_is_recognised(tmp_path):
+    assert native.carries_cxx_runtime(build(tmp_path, "libstatic.so", static=True))
+    assert not native.carries_cxx_runtime(build(tmp_path, "libshared.so", static=False))
+    (tmp_path / "notelf.so").write_text("not an ELF file")
+    assert not native.carries_cxx_runtime(tmp_path / "notelf.so")
+
+
+def test_the_installed_llama_cpp_build_keeps_libstdcxx_to_itself():
+    folder = native.library_dir()
+    libs = [p for p in folder.glob("lib*.so*") if not p.is_symlink()]
+    assert libs, folder
+    assert not any(native.carries_cxx_runtime(p) for p in libs)
+
+
+@pytest.fixture
+def risky_build(tmp_path) -> Path:
+    """The installed llama.cpp libraries plus one that carries libstdc++, in a folder of their own."""
+    folder = tmp_path / "lib"
+    folder.mkdir()
+    for lib in native.library_dir().iterdir():
+        (folder / lib.name).symlink_to(lib.resolve())
+    build(tmp_path, "libggml-carrier.so", static=True).rename(folder / "libggml-carrier.so")
+    return folder
+
+
+def python(code: str, lib: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib)}
+    env.pop("MESH_LLM_LLAMA_FIRST", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_import_mesh_llm_loads_such_a_build_before_any_cxx_library(risky_build):
+    done = python("import mesh_llm, sys\n"
+                  "from mesh_llm import native\n"
+                  "print(native._state, 'llama_cpp.llama_cpp' in sys.modules)\n"
+                  "from mesh_llm.engines.llama import LlamaEngine\n"
+                  "print('engine ok')", risky_build)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["first True", "engine ok"]
+
+
+def test_after_another_cxx_library_the_engine_refuses_with_a_reason(risky_build):
+    done = python("import numpy, mesh_llm\n"
+                  "from mesh_llm.engines import engine_class\n"
+                  "from mesh_llm.engines.base import EngineUnavailable\n"
+                  "try:\n"
+                  "    engine_class('llama')\n"
+                  "except EngineUnavailable as e:\n"
+                  "    print('refused:', e)\n", risky_build)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "libggml-carrier.so" in done.stdout
+    assert "import mesh_llm before" in done.stdout
+
+
+def test_the_early_load_can_be_turned_off(risky_build):
+    done = subprocess.run([sys.executable, "-c", "import mesh_llm, sys; from mesh_llm import native; "
+                           "print(native._state, 'llama_cpp' in sys.modules)"], capture_output=True, text=True,
+                          env={**os.environ, "LLAMA_CPP_LIB_PATH": str(risky_build), "MESH_LLM_LLAMA_FIRST": "0"},
+                          timeout=120)
+    assert done.stdout.split() == ["off", "False"], done.stderr
