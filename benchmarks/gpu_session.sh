@@ -23,9 +23,8 @@
 # still writes what it measured; $OUT gets results, summaries and logs, and the last call the merged
 # report.md, summary.json, results.jsonl and charts. RUNS (3), WARMUP (1) and MAX_TOKENS (256) can be set.
 #
-# mesh-llm's llama engine imports numpy before llama_cpp, and with the CUDA build that order crashes at
-# model load (../shared/NOTES.md). The llama steps load llama_cpp first in every Python process they
-# start, through a sitecustomize.py, until the engine is fixed (LLAMA_IMPORT_FIRST=0 turns it off).
+# A CUDA llama.cpp that carries its own libstdc++ must load before other C++ libraries: `import mesh_llm`
+# does it (src/mesh_llm/native.py); processes that only draw charts set MESH_LLM_LLAMA_FIRST=0.
 set -euo pipefail
 step=$1
 root=$PWD
@@ -49,12 +48,6 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   tail -3 /tmp/llama-build.log
   export PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
     LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
-  if [ "${LLAMA_IMPORT_FIRST:-1}" = 1 ]; then
-    mkdir -p /tmp/llama-first
-    printf 'try:\n    import llama_cpp  # before numpy: see benchmarks/gpu_session.sh\nexcept Exception:\n    pass\n' \
-      > /tmp/llama-first/sitecustomize.py
-    export PYTHONPATH=/tmp/llama-first:$PYTHONPATH
-  fi
 }
 
 run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency` run, stopped at its budget
@@ -142,12 +135,12 @@ profile)  # where an MLX decode step's time goes; the MLX GPU tests, verbose
     --durations=10 tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -30 || true
   ;;
 llama-diag)  # issue 9: the CUDA load crash, variant by variant, with a backtrace and the bindings
-  LLAMA_IMPORT_FIRST=0 llama_env
+  llama_env
   wait_model qwen2.5-0.5b
   timeout 400 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" 2>&1 | tail -90 || true
   ;;
 llama-gpu)  # issue 9: the CUDA load crash, variant by variant; the engine's GPU tests; raw batched decode
-  LLAMA_IMPORT_FIRST=0 llama_env
+  llama_env
   wait_model qwen2.5-0.5b
   timeout 200 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" 2>&1 | tail -40 || true
   MESH_LLM_GPU_GGUF=$models/qwen2.5-0.5b.gguf timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
