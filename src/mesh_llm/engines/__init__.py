@@ -51,8 +51,9 @@ def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str,
     """Pick (engine, format, why) for a model available in ``forms`` ("gguf", "safetensors").
 
     A model in both forms goes to the engine measured faster: llama.cpp, on this CPU (its quantized
-    kernels; MLX has none on a CPU) and on the H200 for one stream (../shared/NOTES.md: decode 775
-    vs about 250 tok/s for a Qwen2.5-0.5B shape).
+    kernels; MLX has none on a CPU) and on the H200 up to about 32 streams (the Qwen2.5-0.5B shape
+    through the servers, 2026-12-03: 550 against 191 tok/s for one stream, 831 against 525 for 8;
+    MLX led only at 32, 1,751 against 736; README, "What we measured").
     """
     if requested == "llama":
         if "gguf" not in forms:
