@@ -66,7 +66,7 @@ def time_decode(engine, prompt: list[int], tokens: int) -> float:
 def measure(name: str, path: Path, runs: int, decode_tokens: int, threads: int | None) -> dict:
     cls = engine_class(name)
     start = time.perf_counter()
-    engine = cls.load(path, EngineOptions(ctx_size=4096, threads=threads))
+    engine = cls.load(path, EngineOptions(ctx_size=4096, threads=threads, warm_up=False))
     load_s = time.perf_counter() - start
     info = engine.info()
     time_first_token(engine, prompt_of(engine, 32, -1))  # warm-up: first-use costs stay out
@@ -133,7 +133,7 @@ def measure_batches(name: str, path: Path, batches: list[int], args) -> dict:
     cls = engine_class(name)
     ctx = args.prompt_tokens + args.decode_tokens + 16
     engine = cls.load(path, EngineOptions(ctx_size=ctx, threads=args.threads, max_batch=max(batches),
-                                          cache_bytes=0))
+                                          cache_bytes=0, quantize=args.quantize, warm_up=False))
     info = engine.info()
     rows = []
     for i, n in enumerate(batches):
@@ -197,6 +197,7 @@ def main() -> None:
     parser.add_argument("--prefill-budget", type=int, default=2048, help="batch mode: prompt tokens a step")
     parser.add_argument("--constrained", type=int, default=0,
                         help="batch mode: sequences that carry an allow-everything constraint")
+    parser.add_argument("--quantize", type=int, choices=[4, 8], help="batch mode: MLX quantizes on load")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     names = ["llama", "mlx"] if args.engine == "both" else [args.engine]

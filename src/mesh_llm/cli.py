@@ -93,6 +93,9 @@ def serve(
                                               "512M, 2G; 0 turns it off. Default: a quarter of the "
                                               "memory free after loading, at most 16G."),
     cache_entries: int = typer.Option(64, help="Most prompt states the cache keeps per model."),
+    warm_up: Optional[bool] = typer.Option(None, "--warm-up/--no-warm-up", help="Run the shapes serving "
+                                           "uses once before ready, so the first request is as fast as "
+                                           "later ones (default: on for MLX on a GPU)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     mesh: bool = typer.Option(False, "--mesh", help="Start a mesh with a fresh random token and print "
                               "the command that joins it.", rich_help_panel="Mesh"),
@@ -141,7 +144,7 @@ def serve(
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
                          max_queue=max_queue, max_batch=max_batch, cache_bytes=cache_size,
-                         cache_entries=cache_entries, tls_cert=tls_cert, tls_key=tls_key,
+                         cache_entries=cache_entries, warm_up=warm_up, tls_cert=tls_cert, tls_key=tls_key,
                          mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)

@@ -302,3 +302,18 @@ def test_a_bad_constraint_mask_ends_the_sequence_instead(smollm):
     nothing = AllowOnly([], vocab)
     steps = run_alone(smollm, Case(chat(smollm, QUESTIONS[0]), greedy(constraint=nothing), 2))
     assert {s.token for s in steps} <= set(smollm.tokenizer.eos_token_ids)
+
+
+def test_warm_up_leaves_nothing_behind_and_changes_no_output(smollm):
+    """The warm-up (on by default on a GPU, where it compiles and plans serving's shapes before the
+    first request) holds no sequence and stores no prompt afterwards, and a request after it decodes
+    exactly as on an engine that never warmed up."""
+    engine = sibling(smollm, cache_bytes=64 << 20, max_batch=3)
+    case = Case(chat(engine, QUESTIONS[3]), greedy(), 12, 0)
+    cold = run_alone(engine, case)
+    engine._prompts.clear()
+    seconds = engine.warm_up()
+    assert seconds > 0
+    assert engine.cache_stats()["entries"] == 0 and not engine._seqs
+    assert compare(cold, run_alone(engine, case), 0.0).diverged_at is None
+    engine.close()

@@ -16,26 +16,69 @@ from mesh_llm.engines.base import EngineOptions, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("bits,tolerance", [(8, 0.02), (4, 0.25)])
-def test_quantize_on_load_keeps_the_logits_close(checkpoints, bits, tolerance):
-    from mesh_llm.engines.mlx import MLXEngine
+TEXT = ("The library opens at nine in the morning and closes at six in the evening. On weekends it "
+        "opens later, at ten, and closes earlier, at four. Members may borrow up to five books at a time "
+        "for three weeks, and they can renew each book twice unless another member has reserved it.")
+QUESTIONS = ["What is the capital of France?", "Give me three tips for learning a new language.",
+             "Write a haiku about autumn."]
 
-    folder = checkpoints["llama"].path
-    source = MLXEngine.load(folder, EngineOptions())
-    quantized = MLXEngine.load(folder, EngineOptions(quantize=bits))
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded SmolLM2 (imported from its GGUF into an MLX folder), carried to the GPU machine by
+    benchmarks/gpu_session.sh; a real model, so quantization error shows as lost quality."""
+    try:
+        from mesh_llm.models import default_mlx_folder
+
+        return default_mlx_folder()
+    except Exception as exc:  # noqa: BLE001 - optional on the GPU machine
+        pytest.skip(f"the embedded model is not here: {exc}")
+
+
+@pytest.mark.parametrize("bits,nll_rise,agree_min", [(8, 0.02, 0.95), (4, 0.25, 0.75)])
+def test_quantize_on_load_keeps_a_real_models_predictions(embedded, bits, nll_rise, agree_min):
+    """`--quantize 4|8` on the embedded SmolLM2: every linear layer quantized, the memory smaller, the
+    text's mean negative log-likelihood within ``nll_rise`` of the source's, teacher-forced top-1
+    agreement at least ``agree_min``; greedy answers printed side by side (8-bit: the same first 8
+    tokens)."""
+    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.runtime.chat import encode_chat
+
+    source = MLXEngine.load(embedded, EngineOptions(warm_up=False))
+    quantized = MLXEngine.load(embedded, EngineOptions(quantize=bits, warm_up=False))
     info = quantized.info()
     assert info.device == "gpu"
-    assert f"{bits}" in info.details["quantization"] and "64" in info.details["quantization"]
-    tokens = list(range(3, 40))
-    a, b = source.score(tokens).astype(np.float64), quantized.score(tokens).astype(np.float64)
-    error = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert f"{bits}-bit" in info.details["quantization"], info.details
+    assert info.memory_bytes < source.info().memory_bytes
+    ids = source.tokenizer.encode(TEXT, add_special_tokens=False)
+    a = _log_softmax(source.score(ids).astype(np.float64))
+    b = _log_softmax(quantized.score(ids).astype(np.float64))
+    targets = np.array(ids[1:])
+    nll_a = -a[np.arange(len(targets)), targets].mean()
+    nll_b = -b[np.arange(len(targets)), targets].mean()
     agree = float((a.argmax(1) == b.argmax(1)).mean())
-    print(f"\n{bits}-bit: relative logit error {error:.4f}, top-1 agreement {agree:.2%}")
-    assert 1e-4 < error < tolerance  # quantizing must change the logits, a little
-    assert agree >= (0.9 if bits == 8 else 0.6)
-    steps = quantized.generate(tokens, SamplingParams(temperature=0.0))
-    assert [next(steps).token for _ in range(4)]  # decodes through the quantized kernels
-    steps.close()
+    print(f"\n{bits}-bit on {embedded.name}: NLL {nll_a:.3f} -> {nll_b:.3f} "
+          f"({(nll_b - nll_a) / nll_a:+.1%}), top-1 agreement {agree:.1%}, memory "
+          f"{source.info().memory_bytes / 1e6:.0f} -> {info.memory_bytes / 1e6:.0f} MB")
+    assert (nll_b - nll_a) / nll_a < nll_rise
+    assert agree >= agree_min
+    for question in QUESTIONS:
+        prompt = encode_chat(source.tokenizer, [{"role": "user", "content": question}])
+        answers = []
+        for engine in (source, quantized):
+            tokens = [s.token for s in engine.generate(prompt, SamplingParams(temperature=0.0), 24)]
+            answers.append(tokens)
+        print(f"  {question!r}\n    source:    {source.tokenizer.decode(answers[0])!r}\n"
+              f"    {bits}-bit:     {source.tokenizer.decode(answers[1])!r}")
+        if bits == 8:
+            assert answers[0][:8] == answers[1][:8]
+    source.close()
+    quantized.close()
 
 
 def _batch_models(checkpoints):

@@ -48,6 +48,7 @@ class EngineOptions:
     cache_bytes: int | None = None  # prompt cache budget; None: from free memory at load; 0: off
     cache_entries: int = 64  # most states the prompt cache keeps
     max_batch: int | None = None  # sequences decoded together; None: chosen from device and memory
+    warm_up: bool | None = None  # run serving's shapes once before ready; None: where it pays (MLX GPU)
 
 
 @runtime_checkable

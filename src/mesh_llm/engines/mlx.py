@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from mesh_llm.engines.base import (
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
-from mesh_llm.engines.mlx_load import load_any, on_gpu, text_config
+from mesh_llm.engines.mlx_load import keep_cuda_kernels, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
 from mesh_llm.engines.prompt_cache import PromptCache, default_cache_bytes
 
@@ -129,11 +130,19 @@ class MLXEngine(Engine):
     def load(cls, path: Path, options: EngineOptions, progress=None) -> MLXEngine:
         threads = options.threads or physical_cores()
         set_blas_threads(threads)
+        kernels = keep_cuda_kernels()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
         if not on_gpu():
             details["threads"] = str(threads)
-        return cls(model, tokenizer, config, ctx, options, details, fmt)
+        if kernels:
+            details["kernel_cache"] = kernels
+        engine = cls(model, tokenizer, config, ctx, options, details, fmt)
+        if on_gpu() if options.warm_up is None else options.warm_up:
+            seconds = engine.warm_up()
+            details["warm_up"] = f"{seconds:.1f} s"
+            log.info("warm-up: %.1f s (the shapes serving uses, compiled and planned once)", seconds)
+        return engine
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -228,6 +237,34 @@ class MLXEngine(Engine):
         self._resize_prompt_cache()
         if state is not None and held > 0:
             self._keep(s.tokens[:held], state)
+
+    def warm_up(self) -> float:
+        """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
+        each kernel on its first use (then keeps it on disk, MLX_PTX_CACHE_DIR) and plans each new
+        matrix product and attention shape once per process, which made a first request 5-17x slower
+        than later ones. A prompt of two chunks, then decode steps at every batch size up to
+        ``max_batch``, a row joining at a time. Nothing reaches the prompt cache. Returns seconds."""
+        started, caching = time.perf_counter(), self._caching
+        self._caching = False
+        try:
+            chunk = max(1, self._options.prefill_step)
+            long = max(2, min(chunk + chunk // 2, self._context - 4))
+            short = max(2, min(16, self._context - 4))
+            greedy = SamplingParams(temperature=0.0)
+            steps = 4 + 2 * self._max_batch  # no row ends before the last step
+            self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
+            for _ in range(4):
+                self.step(4 * chunk)
+            for row in range(self._max_batch - 1):
+                self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
+                self.step(chunk)
+                self.step(chunk)
+        finally:
+            for seq in list(self._seqs):
+                self.remove(seq)
+            self._caching = caching
+            mx.clear_cache()
+        return time.perf_counter() - started
 
     def score(self, tokens: Sequence[int]) -> np.ndarray:
         ids = [int(t) for t in tokens]

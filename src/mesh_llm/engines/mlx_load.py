@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, loa
 
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
+from mesh_llm.models.spec import home_dir
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,24 @@ def load_gguf(path: Path):
 
 def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def keep_cuda_kernels() -> str | None:
+    """Keep MLX's compiled CUDA kernels in mesh-llm's cache rather than the temp folder, which a
+    reboot empties (so the first start after one would compile them all again). One folder per MLX
+    version and GPU architecture: the files are named by kernel only, and hold code for one
+    architecture. MLX reads the setting at its first compile, so this must run before the first
+    kernel; a user's own MLX_PTX_CACHE_DIR is left alone. Returns the folder, or None off CUDA."""
+    if os.environ.get("MLX_PTX_CACHE_DIR") or not on_gpu() or mx.metal.is_available():
+        return os.environ.get("MLX_PTX_CACHE_DIR")
+    arch = str(mx.device_info().get("architecture") or "unknown").replace("/", "_")
+    folder = home_dir() / "mlx-kernels" / mx.__version__ / arch
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # MLX falls back to its temp folder
+    os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
+    return str(folder)
 
 
 def prepare(model: nn.Module, config: dict[str, Any], options: EngineOptions,
