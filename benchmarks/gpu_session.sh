@@ -172,16 +172,22 @@ mlx-warm)  # issue 11: first request against warm, with and without the on-disk 
   m=$models/qwen2.5-0.5b-mlx
   variant() { local label=$1; shift; echo "== $label"; timeout 150 env "$@" python3 benchmarks/gpu_mlx_warm.py "$m" \
     --label "$label" $WARM_ARGS 2>&1 | tail -1 | cut -c1-1500 || true; }
-  WARM_ARGS="" variant "cold kernels, no warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
+  # (2026-12-03, first call: with cuDNN's attention, then MLX's default, the same five variants as
+  # below plus "no cuDNN SDPA"; mesh-llm now turns cuDNN's attention off itself)
+  WARM_ARGS="--warm-up" variant "cold kernels, warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
   WARM_ARGS="" variant "kernels on disk, no warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
   WARM_ARGS="--warm-up" variant "kernels on disk, warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-a
-  WARM_ARGS="" variant "kernels on disk, no warm-up, no cuDNN SDPA" MLX_PTX_CACHE_DIR=/tmp/ptx-a MLX_CUDA_USE_CUDNN_SDPA=0
-  WARM_ARGS="--warm-up" variant "cold kernels, warm-up" MLX_PTX_CACHE_DIR=/tmp/ptx-b
+  echo "== the slowest imports"; python3 -X importtime -c "import mesh_llm.engines.mlx" 2>&1 \
+    | sort -t'|' -k2 -n | tail -12 | tee "$OUT/mlx-importtime.txt" || true
   MESH_LLM_GPU_MODEL=$m MLX_PTX_CACHE_DIR=/tmp/ptx-a timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
     tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -30 || true
+  echo "== the batch test with cuDNN's attention, no warm-up"
+  MESH_LLM_GPU_MODEL=$m MLX_PTX_CACHE_DIR=/tmp/ptx-a MLX_CUDA_USE_CUDNN_SDPA=1 MESH_LLM_TEST_WARM_UP=0 timeout 100 \
+    python3 -m pytest -q -s -p no:cacheprovider tests/engines/test_mlx_gpu.py -k eight 2>&1 \
+    | tee "$OUT/mlx-gpu-tests-cudnn.log" | tail -4 || true
   wait_model qwen2.5-7b
   for q in "" 4; do
-    MLX_PTX_CACHE_DIR=/tmp/ptx-a timeout 80 python3 benchmarks/engines.py --engine mlx --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 \
+    MLX_PTX_CACHE_DIR=/tmp/ptx-a timeout 150 python3 benchmarks/engines.py --engine mlx --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 \
       --prompt-tokens 640 --decode-tokens 128 --runs 1 ${q:+--quantize $q} \
       --out "$OUT/engines-batch-mlx-7b${q:+-q$q}.json" 2>&1 | tail -4 || true
   done

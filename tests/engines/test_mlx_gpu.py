@@ -29,13 +29,15 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    """The embedded SmolLM2 (imported from its GGUF into an MLX folder), carried to the GPU machine by
-    benchmarks/gpu_session.sh; a real model, so quantization error shows as lost quality."""
+def embedded(tmp_path_factory):
+    """The embedded SmolLM2 (carried to the GPU machine by benchmarks/gpu_session.sh), imported from its
+    GGUF as float16 (dequantized from Q4_1), so that quantizing on load has float weights to start from:
+    a real model, where quantization error shows as lost quality."""
     try:
-        from mesh_llm.models import default_mlx_folder
+        from mesh_llm.models import default_gguf
+        from mesh_llm.models.gguf_convert import import_gguf
 
-        return default_mlx_folder()
+        return import_gguf(default_gguf(), tmp_path_factory.mktemp("smollm2") / "f16", dtype="float16")
     except Exception as exc:  # noqa: BLE001 - optional on the GPU machine
         pytest.skip(f"the embedded model is not here: {exc}")
 

@@ -47,7 +47,7 @@ from mesh_llm.engines.base import (
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
-from mesh_llm.engines.mlx_load import keep_cuda_kernels, load_any, on_gpu, text_config
+from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
 from mesh_llm.engines.prompt_cache import PromptCache, default_cache_bytes
 
@@ -130,7 +130,7 @@ class MLXEngine(Engine):
     def load(cls, path: Path, options: EngineOptions, progress=None) -> MLXEngine:
         threads = options.threads or physical_cores()
         set_blas_threads(threads)
-        kernels = keep_cuda_kernels()
+        kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
         if not on_gpu():

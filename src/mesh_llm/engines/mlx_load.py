@@ -120,14 +120,24 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def keep_cuda_kernels() -> str | None:
-    """Keep MLX's compiled CUDA kernels in mesh-llm's cache rather than the temp folder, which a
-    reboot empties (so the first start after one would compile them all again). One folder per MLX
-    version and GPU architecture: the files are named by kernel only, and hold code for one
-    architecture. MLX reads the setting at its first compile, so this must run before the first
-    kernel; a user's own MLX_PTX_CACHE_DIR is left alone. Returns the folder, or None off CUDA."""
-    if os.environ.get("MLX_PTX_CACHE_DIR") or not on_gpu() or mx.metal.is_available():
-        return os.environ.get("MLX_PTX_CACHE_DIR")
+def cuda_settings() -> str | None:
+    """MLX's CUDA settings, made before its first kernel runs; a user's own environment wins.
+
+    - Attention through MLX's own kernels, not cuDNN's (MLX_CUDA_USE_CUDNN_SDPA=0): mlx 0.32.4 builds
+      a cuDNN graph for each new shape, and a decode step's key length is new every step. Measured on
+      the H200 (benchmarks/gpu_mlx_warm.py, Qwen2.5-0.5B shape, float16): one stream decodes at
+      187-233 tok/s against 114-123, and a new prompt length's TTFT is 41-93 ms against 120-445.
+    - Compiled kernels kept in mesh-llm's cache rather than the temp folder, which a reboot empties
+      (the first start after one would compile them all again: 9 s of load and 2.3 s of first request
+      there). One folder per MLX version and GPU architecture: the files are named by kernel only and
+      hold code for one architecture.
+
+    Returns the kernel folder, or None off CUDA."""
+    if not on_gpu() or mx.metal.is_available():
+        return None
+    os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+    if os.environ.get("MLX_PTX_CACHE_DIR"):
+        return os.environ["MLX_PTX_CACHE_DIR"]
     arch = str(mx.device_info().get("architecture") or "unknown").replace("/", "_")
     folder = home_dir() / "mlx-kernels" / mx.__version__ / arch
     try:
@@ -152,6 +162,8 @@ def prepare(model: nn.Module, config: dict[str, Any], options: EngineOptions,
             dequantize_model(model)
         return {"dtype": "float32", "quantization": f"dequantized from {source}" if quant else "none",
                 "source_dtype": source}
+    if options.quantize and quant:
+        log.warning("%s: quantize=%s ignored: the weights are already %s", path, options.quantize, source)
     if options.quantize and not quant:
         if options.quantize not in (4, 8):
             raise EngineError(f"{path}: quantize must be 4 or 8, not {options.quantize}")
