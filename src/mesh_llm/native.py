@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 # libstdc++'s locale facet ids, in the new and old string ABI: defined by a library that carries a copy
@@ -47,9 +48,16 @@ def library_dir() -> Path | None:
 
 
 def carries_cxx_runtime(library: Path) -> bool:
-    """Whether a shared library defines (not just uses) libstdc++'s locale facet ids."""
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
+    """Whether a shared library defines (not just uses) libstdc++'s locale facet ids. Without
+    pyelftools (part of the llama extra) it cannot tell, and says so once rather than break
+    ``import mesh_llm``."""
+    try:
+        from elftools.common.exceptions import ELFError
+        from elftools.elf.elffile import ELFFile
+    except ImportError:
+        warnings.warn("pyelftools is not installed, so mesh-llm cannot check whether llama.cpp's "
+                      "libraries must load first; install mesh-llm[llama]", stacklevel=2)
+        return False
 
     try:
         with open(library, "rb") as f:
