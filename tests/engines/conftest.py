@@ -8,6 +8,7 @@ that the numpy reference forward pass in ``test_mlx.py`` needs.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# Float32 matrix products in float32 on CUDA, not TF32 (MLX's CUDA default): with TF32 a batched
+# product rounds each row differently from a one-row one, enough to flip a seeded sample (measured on
+# the H200: a seeded top-p row diverged at its 15th token; with TF32 off, logprobs within 2.4e-6 of
+# the solo run's). Read at MLX's first matmul, so set before any test runs one. Serving precision is
+# 16-bit, which TF32 does not touch.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
