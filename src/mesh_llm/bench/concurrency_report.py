@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from mesh_llm.bench.report import EOS_NOTES, fmt
+from mesh_llm.bench.report import EOS_NOTES, chart_section, fmt, machine_lines, write_sections
 
 FIGURES_NOTE = (
     "Per round of N requests sent at once: **summed tok/s** = completion tokens of all N ÷ wall time (first "
@@ -55,24 +55,17 @@ def concurrency_tables(summary: dict) -> list[Table]:
 
 
 def write_concurrency_report(summary: dict, out: Path, charts: list[Path]) -> Path:
-    sections = [_header(summary), _setup(summary), _startup(summary), _levels(summary),
-                ["## Charts", "", *(f"![{p.stem}]({p.name})" for p in charts)], _leaders(summary["leaders"]),
-                _failures(summary)]
-    path = out / "report.md"
-    path.write_text("\n\n".join("\n".join(lines) for lines in sections if lines) + "\n")
-    return path
+    return write_sections(out, [_header(summary), _setup(summary), _startup(summary), _levels(summary),
+                                chart_section(charts), _leaders(summary["leaders"]), _failures(summary)])
 
 
 def _header(summary: dict) -> list[str]:
     s, env = summary["settings"], summary["environment"]
-    gpu = f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU"
     levels = ", ".join(str(n) for n in s["levels"])
     return [
         f"# mesh-llm bench --concurrency {','.join(str(n) for n in s['levels'])}, {s['started']}",
         "",
-        (f"- Machine: {env['cpu']}, {env['physical_cores']} physical cores{gpu}; {env['os']}; "
-         f"Python {env['python']}."),
-        "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
+        *machine_lines(env),
         (f"- Every backend: {s['threads']} threads, a context of {s['ctx_size']} per stream, greedy (temperature "
          f"0), {s['max_tokens']} tokens per request unless a case says otherwise, streamed chat completions over "
          "HTTP, one backend at a time."),

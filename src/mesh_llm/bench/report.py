@@ -47,23 +47,35 @@ def console_tables(summary: dict) -> list[Table]:
 
 
 def write_report(summary: dict, out: Path, charts: list[Path]) -> Path:
-    sections = [_header(summary), _setup(summary), _startup(summary), _requests(summary),
-                ["## Charts", "", *(f"![{p.stem}]({p.name})" for p in charts)], _winners(summary["winners"]),
-                _failures(summary)]
+    return write_sections(out, [_header(summary), _setup(summary), _startup(summary), _requests(summary),
+                                chart_section(charts), _winners(summary["winners"]), _failures(summary)])
+
+
+def write_sections(out: Path, sections: list[list[str]]) -> Path:
+    """report.md from its sections (lists of lines; empty ones left out)."""
     path = out / "report.md"
     path.write_text("\n\n".join("\n".join(lines) for lines in sections if lines) + "\n")
     return path
 
 
+def chart_section(charts: list[Path]) -> list[str]:
+    return ["## Charts", "", *(f"![{p.stem}]({p.name})" for p in charts)]
+
+
+def machine_lines(env: dict) -> list[str]:
+    """The machine and library versions a report's figures were measured with."""
+    gpu = f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU"
+    return [(f"- Machine: {env['cpu']}, {env['physical_cores']} physical cores{gpu}; {env['os']}; "
+             f"Python {env['python']}."),
+            "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + "."]
+
+
 def _header(summary: dict) -> list[str]:
     s, env = summary["settings"], summary["environment"]
-    gpu = f", GPU {env['gpu']}" if env.get("gpu") else ", no GPU"
     return [
         f"# mesh-llm bench, {s['started']}",
         "",
-        (f"- Machine: {env['cpu']}, {env['physical_cores']} physical cores{gpu}; {env['os']}; "
-         f"Python {env['python']}."),
-        "- Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
+        *machine_lines(env),
         (f"- Every backend: {s['threads']} threads, context {s['ctx_size']}, greedy (temperature 0), "
          f"{s['max_tokens']} tokens per request unless a case says otherwise, streamed over HTTP, one backend "
          "at a time."),
