@@ -86,7 +86,11 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
 
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # sockets that say they are TCP, and accepted sockets inherit this one's protocol. With Nagle on,
+    # every response after a connection's first waited ~40 ms for the client's delayed ACK between
+    # its header and body writes (keep-alive clients, such as the openai client and mesh peers).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
