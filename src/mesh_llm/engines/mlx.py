@@ -139,9 +139,13 @@ class MLXEngine(Engine):
             details["kernel_cache"] = kernels
         engine = cls(model, tokenizer, config, ctx, options, details, fmt)
         if on_gpu() if options.warm_up is None else options.warm_up:
-            seconds = engine.warm_up()
-            details["warm_up"] = f"{seconds:.1f} s"
-            log.info("warm-up: %.1f s (the shapes serving uses, compiled and planned once)", seconds)
+            try:
+                seconds = engine.warm_up()
+            except (EngineError, NoCapacity) as e:  # serving may still work: say so, go on
+                log.warning("warm-up skipped: %s", e)
+            else:
+                details["warm_up"] = f"{seconds:.1f} s"
+                log.info("warm-up: %.1f s (the shapes serving uses, compiled and planned once)", seconds)
         return engine
 
     @property
@@ -242,7 +246,7 @@ class MLXEngine(Engine):
         """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
         each kernel on its first use (then keeps it on disk, MLX_PTX_CACHE_DIR) and plans each new
         matrix product and attention shape once per process, which made a first request 5-17x slower
-        than later ones. A prompt of two chunks, then decode steps at every batch size up to
+        than later ones. A prompt of one and a half chunks, then decode steps at every batch size up to
         ``max_batch``, a row joining at a time. Nothing reaches the prompt cache. Returns seconds."""
         started, caching = time.perf_counter(), self._caching
         self._caching = False
