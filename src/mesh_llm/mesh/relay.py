@@ -94,6 +94,8 @@ class Upstream:
         self.headers: list[tuple[str, str]] = list(response.headers.multi_items())
         self._chunks = response.aiter_raw()
         self._pending = b""
+        self._stop: asyncio.Event | None = None
+        self._stopper: asyncio.Future | None = None  # one waiter on ``stop`` for every read
 
     async def read_head(self, timeout: float, stop: asyncio.Event | None = None) -> None:
         """Skip keep-alives and take the real status and headers (a peer that does not relay, as
@@ -125,17 +127,15 @@ class Upstream:
             return chunk
         read = asyncio.ensure_future(anext(self._chunks))
         waits = {read}
-        stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
-        if stopper is not None:
-            waits.add(stopper)
-        try:
-            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if stopper is not None:
-                stopper.cancel()
+        if stop is not None:
+            if stop is not self._stop:
+                self._cancel_stopper()
+                self._stop, self._stopper = stop, asyncio.ensure_future(stop.wait())
+            waits.add(self._stopper)
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if read not in done:
             read.cancel()
-            if stopper is not None and stopper in done:
+            if self._stopper is not None and self._stopper in done:
                 raise Stopped()
             raise PeerSilent()
         try:
@@ -153,7 +153,13 @@ class Upstream:
                 raise httpx.RemoteProtocolError("the peer's error body is too large")
         return b"".join(parts)
 
+    def _cancel_stopper(self) -> None:
+        if self._stopper is not None:
+            self._stopper.cancel()
+        self._stop = self._stopper = None
+
     async def aclose(self) -> None:
+        self._cancel_stopper()
         await self.response.aclose()
 
 
