@@ -25,9 +25,8 @@ if not is_installed("mlx"):  # checked without importing mlx.core, which must co
 
 MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
 
-import mlx.core as mx
 from batch_runs import AllowOnly, Case, Forced, compare, run_alone, run_batched
-from mlx_lm.utils import _get_classes
+from random_mlx import random_model
 
 from mesh_llm.engines.hf_tokenizer import HFTokenizer
 from mesh_llm.runtime.chat import encode_chat
@@ -263,12 +262,7 @@ def tiny_models(checkpoints):
     tokenizer = HFTokenizer.from_folder(checkpoints["llama"].path)
     built = {}
     for kind, config in KINDS.items():
-        mx.random.seed(sum(map(ord, kind)))
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-        model.set_dtype(mx.float32)
-        mx.eval(model.parameters())
-        built[kind] = (model, tokenizer, config)
+        built[kind] = (random_model(kind, config), tokenizer, config)
     return built
 
 

@@ -25,7 +25,7 @@ if not is_installed("mlx"):  # checked without importing mlx.core, which must co
 MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes
+from random_mlx import random_model
 
 from mesh_llm.engines.hf_tokenizer import HFTokenizer
 from support import run_until_eos
@@ -61,12 +61,7 @@ def models(checkpoints):
         built[kind] = (engine._model, engine.tokenizer, checkpoints[kind].config)
     tokenizer = HFTokenizer.from_folder(checkpoints["llama"].path)
     for kind, config in CONFIGS.items():
-        mx.random.seed(sum(map(ord, kind)))
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-        model.set_dtype(mx.float32)
-        mx.eval(model.parameters())
-        built[kind] = (model, tokenizer, config)
+        built[kind] = (random_model(kind, config), tokenizer, config)
     return built
 
 
