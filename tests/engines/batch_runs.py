@@ -12,6 +12,12 @@ import numpy as np
 from mesh_llm.engines.base import SamplingParams, Step
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-probabilities of logits along the last axis."""
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 @dataclass
 class Case:
     """One sequence: its prompt, a maker of its sampling parameters (a constraint is stateful, so each

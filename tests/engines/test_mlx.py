@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from batch_runs import log_softmax
 
 from mesh_llm.engines import engine_class, is_installed
 from mesh_llm.engines.base import (
@@ -86,11 +87,6 @@ def reference_logits(ckpt, ids: list[int]) -> np.ndarray:
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
     x = rms(x, w["model.norm.weight"])
     return x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def take(gen, n: int) -> list:

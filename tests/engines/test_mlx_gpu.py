@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from batch_runs import log_softmax
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 
@@ -21,11 +22,6 @@ TEXT = ("The library opens at nine in the morning and closes at six in the eveni
         "for three weeks, and they can renew each book twice unless another member has reserved it.")
 QUESTIONS = ["What is the capital of France?", "Give me three tips for learning a new language.",
              "Write a haiku about autumn."]
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +60,8 @@ def test_quantize_on_load_keeps_a_real_models_predictions(embedded, bits, nll_ri
     weights = [sum(v.nbytes for _, v in tree_flatten(e._model.parameters())) for e in (source, quantized)]
     assert weights[1] < weights[0] * (0.6 if bits == 8 else 0.35)
     ids = source.tokenizer.encode(TEXT, add_special_tokens=False)
-    a = _log_softmax(source.score(ids).astype(np.float64))
-    b = _log_softmax(quantized.score(ids).astype(np.float64))
+    a = log_softmax(source.score(ids).astype(np.float64))
+    b = log_softmax(quantized.score(ids).astype(np.float64))
     targets = np.array(ids[1:])
     nll_a = -a[np.arange(len(targets)), targets].mean()
     nll_b = -b[np.arange(len(targets)), targets].mean()
