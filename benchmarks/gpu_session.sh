@@ -103,6 +103,16 @@ build)
 stage)
   bash .device/a/stage.sh
   ;;
+stage-mlx)  # carry [".device/a", ".device/v"]: stage, and the 0.5B pair written in the background
+  # (.device/v: the qwen2 vocabulary and the gguf, diskcache and pyelftools wheels), no llama.cpp build
+  bash .device/a/stage.sh
+  mkdir -p /tmp/vocab "$models" && cp .device/v/ggml-vocab-qwen2.gguf /tmp/vocab/
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/v/*.whl
+  rm -rf /tmp/synth-src && cp -r src /tmp/synth-src
+  (cd /tmp && PYTHONPATH=/tmp/synth-src:/tmp/site setsid nohup bash -c 'for shape in ${SHAPES:-qwen2.5-0.5b}; do
+      python3 -m mesh_llm.bench.synth $shape /tmp/models --vocab /tmp/vocab/ggml-vocab-qwen2.gguf &&
+        touch /tmp/models/$shape.done; done' > /tmp/models.log 2>&1 & echo $! > "$models/synth.pid")
+  ;;
 mlx)
   source .device/b/install-mlx.sh
   export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
@@ -191,6 +201,24 @@ mlx-warm)  # issue 11: first request against warm, with and without the on-disk 
       --prompt-tokens 640 --decode-tokens 128 --runs 1 ${q:+--quantize $q} \
       --out "$OUT/engines-batch-mlx-7b${q:+-q$q}.json" 2>&1 | tail -4 || true
   done
+  ;;
+diag)  # issue 10/11: rounds of N requests through the scheduler (no HTTP), step by step; the raw
+  # engine's step; then the same through HTTP (mesh-llm bench --concurrency), mesh-mlx only
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  nproc; uptime
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  timeout 150 python3 benchmarks/scheduler_rounds.py "$m" --streams ${ROUND_LEVELS:-1,8,32} --rounds 3 \
+    --out "$OUT/rounds-0.5b.json" 2>&1 | tail -14 || true
+  echo "== profiled (slower steps; for where a stall's time goes)"
+  timeout 150 python3 benchmarks/scheduler_rounds.py "$m" --streams 8 --rounds 3 --profile 2>&1 | tail -90 || true
+  echo "== no warm-up"
+  timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 1,8 --rounds 3 --no-warm-up 2>&1 | tail -9 || true
+  timeout 120 python3 benchmarks/gpu_mlx_step.py "$m" 2>&1 | tail -12 || true
+  mkdir -p "$conc"
+  [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx "${MLX_BUDGET_05:-150}"
+  logs_to_out diag-logs.tar.gz
   ;;
 conc-mlx)
   source .device/b/install-mlx.sh

@@ -1,0 +1,168 @@
+"""Rounds of N requests sent at once through the real scheduler (``runtime.worker.ModelWorker``), no
+HTTP: time to first token and summed rate per round, every engine step timed, the slow steps listed.
+
+    python3 benchmarks/scheduler_rounds.py MODEL [--engine mlx] [--streams 8] [--rounds 3]
+        [--prompt 640] [--tokens 256] [--profile]
+
+It separates what the engine and the scheduler cost from what HTTP adds (compare with
+``mesh-llm bench --concurrency`` on the same model), and finds stalls: a step that takes many times
+the median (a kernel compiled on first use of a shape, a copy, a collection) shows with what the
+step carried. The prompts of a round share a 6-token prefix, as chat prompts share their template's,
+so later rounds start from the prompt cache as they would behind the server. ``--profile`` runs
+cProfile around every engine step and prints the functions that took the most time in the steps
+that took longest. Prints a table; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import mesh_llm  # noqa: F401  (loads a CUDA llama.cpp before other native libraries)
+from mesh_llm.engines import engine_class
+from mesh_llm.engines.base import EngineOptions, SamplingParams
+from mesh_llm.runtime.worker import GenerationRequest, ModelWorker
+
+
+class TimedEngine:
+    """The engine, with each ``step`` timed (and profiled when asked); everything else passes through."""
+
+    def __init__(self, engine, profile: bool):
+        self._engine = engine
+        self.steps: list[dict] = []
+        self.profiles: list[tuple[float, cProfile.Profile]] = []
+        self._profile = profile
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self, budget: int):
+        profiler = cProfile.Profile() if self._profile else None
+        t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        out = self._engine.step(budget)
+        if profiler:
+            profiler.disable()
+        dt = time.perf_counter() - t0
+        self.steps.append({"t": t0, "ms": 1000 * dt, "tokens": len(out), "budget": budget})
+        if profiler:
+            self.profiles.append((dt, profiler))
+            self.profiles.sort(key=lambda p: -p[0])
+            del self.profiles[3:]
+        return out
+
+
+def prompts_for(round_: int, streams: int, length: int, vocab: int) -> list[list[int]]:
+    shared = [11, 12, 13, 14, 15, 16]
+    return [shared + [(round_ * 7919 + i * 104729 + j * 31) % (vocab - 100) + 50 for j in range(length - 6)]
+            for i in range(streams)]
+
+
+def run_round(worker: ModelWorker, engine: TimedEngine, prompts, tokens: int) -> dict:
+    done = threading.Event()
+    left = [len(prompts)]
+    lock = threading.Lock()
+    first: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    counts: dict[int, int] = {}
+
+    def deliver_for(i: int):
+        def deliver(chunk):
+            now = time.perf_counter()
+            if chunk.error:
+                raise SystemExit(f"request {i} failed: {chunk.error}")
+            first.setdefault(i, now)
+            if chunk.finish_reason is not None:
+                ends[i], counts[i] = now, chunk.usage.completion_tokens
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+        return deliver
+
+    steps_before = len(engine.steps)
+    sent = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        worker.submit(GenerationRequest(prompt=prompt, params=SamplingParams(temperature=0.0),
+                                        max_tokens=tokens, ignore_eos=True), deliver_for(i))
+    if not done.wait(600):
+        raise SystemExit("a round did not finish in 600 s")
+    wall = max(ends.values()) - sent
+    ttft = sorted(first[i] - sent for i in range(len(prompts)))
+    steps = engine.steps[steps_before:]
+    median = statistics.median(s["ms"] for s in steps)
+    slow = [{"at_ms": round(1000 * (s["t"] - sent), 1), "ms": round(s["ms"], 1), "tokens": s["tokens"],
+             "budget": s["budget"]} for s in steps if s["ms"] > max(5 * median, median + 20)]
+    decode_steps = [s["ms"] for s in steps if s["tokens"] == len(prompts)]
+    return {
+        "streams": len(prompts), "wall_s": wall, "summed_tok_s": sum(counts.values()) / wall,
+        "ttft_p50_ms": 1000 * ttft[len(ttft) // 2], "ttft_max_ms": 1000 * ttft[-1],
+        "steps": len(steps), "step_median_ms": median,
+        "full_step_median_ms": statistics.median(decode_steps) if decode_steps else None,
+        "slow_steps": slow[:20],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--engine", default="mlx")
+    parser.add_argument("--streams", default="1,8", help="comma-separated: requests per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=640)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--ctx-size", type=int, default=2048)
+    parser.add_argument("--prefill-step", type=int, default=512)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    levels = [int(n) for n in args.streams.split(",")]
+    options = EngineOptions(ctx_size=args.ctx_size, max_batch=max(levels), prefill_step=args.prefill_step,
+                            warm_up=args.warm_up)
+    started = time.perf_counter()
+    engine = TimedEngine(engine_class(args.engine).load(args.model, options), args.profile)
+    loaded = time.perf_counter() - started
+    worker = ModelWorker("bench", lambda: engine, prefill_budget=args.prefill_step)
+    worker.start()
+    worker.wait_ready()
+    if worker.load_error:
+        raise worker.load_error
+    vocab = engine.tokenizer.vocab_size
+    rows = []
+    print(f"loaded in {loaded:.1f} s: {engine.info().details}")
+    print("| streams | round | TTFT p50 ms | TTFT max ms | summed tok/s | steps | median step ms | "
+          "all-rows step ms | slow steps (at ms: ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n in levels:
+        for r in range(args.rounds):
+            row = run_round(worker, engine, prompts_for(len(rows), n, args.prompt, vocab), args.tokens)
+            row["round"] = r
+            rows.append(row)
+            slow = ", ".join(f"{s['at_ms']:.0f}: {s['ms']:.0f}" for s in row["slow_steps"][:6])
+            full = row["full_step_median_ms"]
+            print(f"| {n} | {r} | {row['ttft_p50_ms']:.0f} | {row['ttft_max_ms']:.0f} | "
+                  f"{row['summed_tok_s']:.1f} | {row['steps']} | {row['step_median_ms']:.2f} | "
+                  f"{'' if full is None else f'{full:.2f}'} | {slow} |", flush=True)
+    worker.stop()
+    if args.profile:
+        for dt, profiler in engine.profiles:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(18)
+            print(f"\n## a step of {1000 * dt:.0f} ms\n" + text.getvalue()[-3500:])
+    if args.out:
+        args.out.write_text(json.dumps({"model": str(args.model), "engine": args.engine,
+                                        "details": engine.info().details, "load_s": loaded,
+                                        "rounds": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
