@@ -63,10 +63,12 @@ def time_decode(engine, prompt: list[int], tokens: int) -> float:
     return tokens / elapsed
 
 
-def measure(name: str, path: Path, runs: int, decode_tokens: int, threads: int | None) -> dict:
+def measure(name: str, path: Path, runs: int, decode_tokens: int, threads: int | None,
+            deterministic: bool) -> dict:
     cls = engine_class(name)
     start = time.perf_counter()
-    engine = cls.load(path, EngineOptions(ctx_size=4096, threads=threads, warm_up=False))
+    engine = cls.load(path, EngineOptions(ctx_size=4096, threads=threads, warm_up=False,
+                                          deterministic=deterministic))
     load_s = time.perf_counter() - start
     info = engine.info()
     time_first_token(engine, prompt_of(engine, 32, -1))  # warm-up: first-use costs stay out
@@ -133,7 +135,8 @@ def measure_batches(name: str, path: Path, batches: list[int], args) -> dict:
     cls = engine_class(name)
     ctx = args.prompt_tokens + args.decode_tokens + 16
     engine = cls.load(path, EngineOptions(ctx_size=ctx, threads=args.threads, max_batch=max(batches),
-                                          cache_bytes=0, quantize=args.quantize, warm_up=False))
+                                          cache_bytes=0, quantize=args.quantize, warm_up=False,
+                                          deterministic=args.deterministic))
     info = engine.info()
     rows = []
     for i, n in enumerate(batches):
@@ -192,6 +195,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=None,
                         help="tokens decoded (default: 128; 64 in batch mode)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--deterministic", action="store_true", help="the llama engine's bfloat16 KV cells")
     parser.add_argument("--batch", type=str, help="batch mode: comma-separated N, e.g. 1,4,8,16,32")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="batch mode: each prompt's length")
     parser.add_argument("--prefill-budget", type=int, default=2048, help="batch mode: prompt tokens a step")
@@ -209,7 +213,7 @@ def main() -> None:
         print_batch_table(results)
     else:
         args.decode_tokens = args.decode_tokens or 128
-        results = [measure(name, paths[name](), args.runs, args.decode_tokens, args.threads)
+        results = [measure(name, paths[name](), args.runs, args.decode_tokens, args.threads, args.deterministic)
                    for name in names]
         print_ttft_table(results)
     if args.out:

@@ -46,6 +46,7 @@ class ServeConfig:
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
     cache_entries: int = 64
     warm_up: bool | None = None  # run serving's shapes once before ready; None: the engine's choice
+    deterministic: bool = False  # llama engine on a CPU: bit-for-bit results in any batch (slower)
     tls_cert: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate and key
     tls_key: str | None = None
     mesh: MeshConfig | None = None  # take part in a mesh (mesh/); None: a standalone server
@@ -105,7 +106,8 @@ def bind(host: str, port: int) -> socket.socket:
 def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
     options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads,
                             cache_bytes=config.cache_bytes, cache_entries=config.cache_entries,
-                            max_batch=config.max_batch, warm_up=config.warm_up)
+                            max_batch=config.max_batch, warm_up=config.warm_up,
+                            deterministic=config.deterministic)
     workers = []
     for plan in plans:
         cls = engine_class(plan.engine)

@@ -311,3 +311,30 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_output(smollm):
     assert engine.cache_stats()["entries"] == 0 and not engine._seqs
     assert compare(cold, run_alone(engine, case), 0.0).diverged_at is None
     engine.close()
+
+
+def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
+    """``mlx_sampling.scores`` skips the normalisation where nothing depends on it: greedy picks,
+    top-k, min-p and seeded draws take the same tokens from float16 logits as from log-probabilities;
+    a row asking for logprobs (or top-p) gets them normalised."""
+    import mlx.core as mx
+
+    from mesh_llm.engines.mlx_sampling import RowSettings, SequenceSampler, sample, scores, split_keys
+
+    vocab = 500
+    logits = (mx.random.normal((6, vocab), key=mx.random.key(3)) * 4 + 30).astype(mx.float16)
+    reference = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=1.0, top_k=20, seed=2), SamplingParams(temperature=1.0, min_p=0.1, seed=3),
+              SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=4), SamplingParams(temperature=0)]
+    for rows in (params, [params[0], params[5]]):
+        settings = RowSettings([SequenceSampler(p, vocab) for p in rows], vocab)
+        values = scores(logits[: len(rows)], settings)
+        assert values.dtype == (mx.float32 if settings.sampled else mx.float16)  # greedy: not even a cast
+        subkeys = split_keys(mx.stack([s.key for s in settings.samplers]))[1] if settings.sampled else None
+        assert (sample(values, settings, subkeys).tolist()
+                == sample(reference[: len(rows)], settings, subkeys).tolist())
+    reporting = RowSettings([SequenceSampler(SamplingParams(temperature=0, logprobs=1), vocab)], vocab)
+    assert mx.allclose(scores(logits[:1], reporting), reference[:1], atol=1e-5).item()
+    top_p = RowSettings([SequenceSampler(SamplingParams(temperature=1, top_p=0.9, seed=5), vocab)], vocab)
+    assert mx.allclose(scores(logits[:1], top_p), reference[:1], atol=1e-5).item()

@@ -89,10 +89,11 @@ class LlamaEngine(Engine):
     formats = frozenset({"gguf"})
 
     def __init__(self, path: Path, meta: dict, model, ctx, *, threads: int, gpu_layers: int,
-                 max_batch: int, n_ctx_seq: int, prefill_step: int, cell_bytes: int, options: EngineOptions):
+                 max_batch: int, n_ctx_seq: int, prefill_step: int, cell_bytes: int, options: EngineOptions,
+                 cells: str):
         self._path, self._meta, self._model, self._ctx = path, meta, model, ctx
         self._threads, self._gpu_layers, self._max_batch = threads, gpu_layers, max_batch
-        self._cell_bytes = cell_bytes
+        self._cell_bytes, self._cells = cell_bytes, cells
         self._pool = ll.llama_n_ctx(ctx)  # KV cells shared by every sequence
         self._n_ctx_seq = min(n_ctx_seq, self._pool)  # the most one sequence may hold
         capacity = min(ll.llama_n_batch(ctx), ll.llama_n_ubatch(ctx))  # one pass, never split
@@ -160,7 +161,7 @@ class LlamaEngine(Engine):
         cparams.n_batch = cparams.n_ubatch = capacity
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
-        llama_cache.set_cache_params(cparams, gpu)
+        cells = llama_cache.set_cache_params(cparams, gpu, options.deterministic)
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
             ll.llama_model_free(model)
@@ -168,7 +169,8 @@ class LlamaEngine(Engine):
             raise EngineError(f"{path}: llama.cpp cannot create a context of {pool} cells: {reason}")
         gpu_layers = ll.llama_model_n_layer(model) if gpu else 0
         return cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
-                   n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options)
+                   n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options,
+                   cells=cells)
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -198,7 +200,7 @@ class LlamaEngine(Engine):
                 "threads": str(self._threads),
                 "n_gpu_layers": str(self._gpu_layers),
                 "max_batch": str(self._max_batch),
-                "kv_cells": f"{self._pool} ({kv_bytes / 1e6:.0f} MB)",
+                "kv_cells": f"{self._pool} {self._cells} ({kv_bytes / 1e6:.0f} MB)",
                 "n_batch": str(self._batch.capacity),
                 "file": str(self._path),
                 **details,

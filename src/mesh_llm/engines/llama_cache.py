@@ -11,16 +11,20 @@ What rounds how on a CPU (measured on SmolLM2 Q4_1 and random F16 GGUFs, llama-c
   take a tiled kernel and one-row passes over 512 cells or more a split one, each rounding its own
   way. With flash attention and bfloat16 cells neither applies: every query row walks its own
   sequence's cells in position order and skips the rest, so attention is the same bits whatever
-  else the pool or the pass holds. That is the CPU setting (:func:`set_cache_params`); bfloat16
-  cells take as much memory as float16 ones, with 8 significant bits instead of 11.
+  else the pool or the pass holds. bfloat16 cells take as much memory as float16 ones, with 8
+  significant bits instead of 11, and are slow: SmolLM2 on 2 cores of this CPU (which has
+  AVX512-BF16) decodes at 57 tok/s after a 600-token prompt against 93 with float16 cells, and reads
+  a 2,048-token prompt in 19.4 s against 9.9. So float16 cells are the CPU default (llama-server's
+  setting too), and bfloat16 ones the ``deterministic`` option (:func:`set_cache_params`).
 - Weights. In a pass of two or more rows a row's product does not depend on the other rows. A
   one-row pass takes other kernels for types llamafile's sgemm or ggml's repacking handle (F16,
   BF16, Q8_0, Q4_0, IQ4_NL, Q4_K repacked...), which round differently; types without them (Q4_1,
   the embedded SmolLM2) compute a row the same way in any pass.
 
-So on a CPU a sequence's tokens and logprobs do not depend on the other sequences of its batch
-(their number, contents, sampling, or where their cells are), and for types without separate
-one-row kernels they are bitwise what the sequence gets alone. Reuse stays exact by reusing only KV
+So on a CPU, deterministic, a sequence's tokens and logprobs do not depend on the other sequences
+of its batch (their number, contents, sampling, or where their cells are), and for types without
+separate one-row kernels they are bitwise what the sequence gets alone; with float16 cells they agree
+within rounding (``tests/engines/test_llama_batch.py`` measures how far). Reuse stays exact by reusing only KV
 computed in passes of two or more rows (prefill chunks, and decode steps shared with other
 sequences) and leaving at least two prompt tokens to compute, as one chunk. On a GPU flash attention
 and cell type are llama.cpp's defaults, and none of this is measured.
@@ -43,19 +47,24 @@ import numpy as np
 from mesh_llm.engines.base import EngineError
 
 RECOMPUTE = 2  # prompt tokens a request always computes, as one chunk of two
-GGML_TYPE_BF16 = 30  # ggml.h (the bindings do not name it)
+GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h (the bindings do not name them)
 
 
-def set_cache_params(cparams: ll.llama_context_params, gpu: bool) -> None:
+def set_cache_params(cparams: ll.llama_context_params, gpu: bool, deterministic: bool) -> str:
     """One pool of KV cells for every sequence (``kv_unified``: any sequence may grow to the whole
-    context, and sequences share a prefix's cells). On a CPU, flash attention over bfloat16 cells
-    (see above). Sliding windows keep only their window (``swa_full`` off): their states are
-    resumed whole."""
+    context, and sequences share a prefix's cells). On a CPU, flash attention over float16 cells, as
+    llama-server has them, or over bfloat16 cells when ``deterministic`` (see above). Sliding windows
+    keep only their window (``swa_full`` off): their states are resumed whole. Returns the cell type."""
     cparams.kv_unified = True
     cparams.swa_full = False
-    if not gpu:
-        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    if gpu:
+        return "f16"
+    cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    if deterministic:
         cparams.type_k = cparams.type_v = GGML_TYPE_BF16
+        return "bf16 (deterministic)"
+    cparams.type_k = cparams.type_v = GGML_TYPE_F16
+    return "f16"
 
 
 def needs_checkpoints(model: ll.llama_model_p) -> bool:

@@ -37,6 +37,7 @@ from mesh_llm.engines.mlx_sampling import (
     mask_array,
     reported,
     sample,
+    scores,
     split_keys,
 )
 
@@ -58,7 +59,7 @@ class Launch:
 
     rows: list[Row]
     settings: RowSettings
-    logprobs: mx.array
+    scores: mx.array  # log-probabilities, or logits where no row needs them (mlx_sampling.scores)
     tokens: mx.array  # unconstrained rows' tokens until finish() adds the constrained ones
     subkeys: mx.array | None
     outputs: list[mx.array] = field(default_factory=list)  # set by finish()
@@ -132,19 +133,18 @@ class DecodeGroup:
             self._settings = RowSettings([r.sampler for r in self.rows], self._vocab)
         settings = self._settings
         logits = self._model(self._inputs[:, None], cache=self._caches)[:, -1, :]
-        logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        values = scores(logits, settings)
         subkeys = None
         if settings.sampled:
             self._keys, subkeys = split_keys(self._keys)
-        tokens = sample(logprobs, settings, subkeys)
+        tokens = sample(values, settings, subkeys)
         for r in self.rows:
             r.fed += 1
-        launch = Launch(list(self.rows), settings, logprobs, tokens, subkeys)
+        launch = Launch(list(self.rows), settings, values, tokens, subkeys)
         if not settings.constrained:
             self.finish(launch)
         elif self._pipelined:
-            mx.async_eval(logprobs, tokens)
+            mx.async_eval(values, tokens)
         return launch
 
     def finish(self, launch: Launch) -> None:
@@ -156,14 +156,14 @@ class DecodeGroup:
             masks = mx.array(np.stack([mask_array(launch.rows[i].sampler.constraint, self._vocab,
                                                   self._eos) for i in s.constrained]))
             subkeys = launch.subkeys[chosen] if launch.subkeys is not None else None
-            picked = sample(launch.logprobs[chosen], s.take(s.constrained), subkeys, masks)
+            picked = sample(launch.scores[chosen], s.take(s.constrained), subkeys, masks)
             where = np.zeros(len(launch.rows), dtype=np.int32)
             where[s.constrained] = np.arange(len(s.constrained))
             constrained = np.zeros(len(launch.rows), dtype=bool)
             constrained[s.constrained] = True
             tokens = mx.where(mx.array(constrained), picked[mx.array(where)], tokens)
         launch.tokens = tokens
-        launch.outputs = [tokens, *reported(launch.logprobs, tokens, s)]
+        launch.outputs = [tokens, *reported(launch.scores, tokens, s)]
         self._inputs = tokens
         if self._pipelined:
             mx.async_eval(launch.outputs)

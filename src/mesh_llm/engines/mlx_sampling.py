@@ -88,6 +88,17 @@ class RowSettings:
         return RowSettings([self.samplers[i] for i in rows], self.vocab)
 
 
+def scores(logits: mx.array, settings: RowSettings) -> mx.array:
+    """What the rows sample from: log-probabilities (float32) when any row reports them or filters by
+    top-p (a sum of probabilities), else the logits as they are, since a greedy pick, top-k, min-p and a
+    Gumbel draw do not move when every value of a row moves by the same amount. That spares a step a
+    cast and a normalisation over the whole vocabulary (kernels a GPU would launch for every token)."""
+    if settings.logprobs or (settings.sampled and settings.top_p is not None):
+        logits = logits.astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits.astype(mx.float32) if settings.sampled else logits
+
+
 def split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
     """Each row's key split in two, as ``mx.random.split`` does for one key: (next keys, subkeys)."""
     halves = mx.vmap(mx.random.split)(keys)
