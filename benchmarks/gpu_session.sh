@@ -217,7 +217,7 @@ diag)  # issue 10/11: rounds of N requests through the scheduler (no HTTP), step
   timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 1,8 --rounds 3 --no-warm-up 2>&1 | tail -9 || true
   timeout 120 python3 benchmarks/gpu_mlx_step.py "$m" 2>&1 | tail -12 || true
   mkdir -p "$conc"
-  [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx "${MLX_BUDGET_05:-150}"
+  [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-200}"
   logs_to_out diag-logs.tar.gz
   ;;
 conc-mlx)
