@@ -220,6 +220,15 @@ diag)  # issue 10/11: rounds of N requests through the scheduler (no HTTP), step
   [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-200}"
   logs_to_out diag-logs.tar.gz
   ;;
+stall)  # the first recorded round of 8 streams stalls ~3.5 s in the server (not behind the bare
+  # scheduler): every thread's stack whenever one engine step takes over half a second
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1 MESH_LLM_STALL_DUMP=0.5
+  mkdir -p "$conc"
+  run_conc qwen2.5-0.5b "${LEVELS_05:-8}" mesh-mlx "${MLX_BUDGET_05:-120}"
+  grep -v "GET /\|POST /" "$conc"/qwen2.5-0.5b-stall/logs/*.log | head -400 || true
+  logs_to_out stall-logs.tar.gz
+  ;;
 conc-mlx)
   source .device/b/install-mlx.sh
   export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1

@@ -137,8 +137,9 @@ def main() -> None:
     if worker.load_error:
         raise worker.load_error
     vocab = engine.tokenizer.vocab_size
+    details = engine.info().details
     rows = []
-    print(f"loaded in {loaded:.1f} s: {engine.info().details}")
+    print(f"loaded in {loaded:.1f} s: {details}")
     print("| streams | round | TTFT p50 ms | TTFT max ms | summed tok/s | steps | median step ms | "
           "all-rows step ms | slow steps (at ms: ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -160,7 +161,7 @@ def main() -> None:
             print(f"\n## a step of {1000 * dt:.0f} ms\n" + text.getvalue()[-3500:])
     if args.out:
         args.out.write_text(json.dumps({"model": str(args.model), "engine": args.engine,
-                                        "details": engine.info().details, "load_s": loaded,
+                                        "details": details, "load_s": loaded,
                                         "rounds": rows}, indent=1))
 
 

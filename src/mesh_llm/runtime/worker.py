@@ -13,8 +13,10 @@ Results flow back as :class:`Chunk` objects through each request's ``deliver`` c
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +39,10 @@ log = logging.getLogger("mesh_llm.worker")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
+SLOW_STEP_S = 1.0  # an engine step longer than this is logged: every stream stood still that long
+# MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
+# (faulthandler), to find what a stall waits on
+STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
 
 
 class QueueFull(Exception):
@@ -292,6 +298,9 @@ class ModelWorker:
         # With streams running, read at most one prefill chunk's worth of prompt per step (they
         # wait for it); with none, newcomers' prompts go in larger steps.
         budget = self._prefill_budget if decoding else 4 * self._prefill_budget
+        started = time.perf_counter()
+        if STALL_DUMP_S:
+            faulthandler.dump_traceback_later(STALL_DUMP_S)
         try:
             outputs = self._engine.step(budget)
         except Exception as exc:  # the engine dropped every sequence (base.Engine.step)
@@ -300,7 +309,14 @@ class ModelWorker:
             for s in failed.values():
                 self._send(s.job, Chunk(finish_reason="error", error=f"generation failed: {exc}"))
             return
+        finally:
+            if STALL_DUMP_S:
+                faulthandler.cancel_dump_traceback_later()
         now = time.perf_counter()
+        if now - started > SLOW_STEP_S:
+            reading = sum(s.first_at is None for s in self._active.values())
+            log.warning("%s: one engine step took %.1f s (%d sequences reading their prompts, %d "
+                        "decoding)", self.name, now - started, reading, len(self._active) - reading)
         for seq, step in outputs:
             sequence = self._active.get(seq)
             if sequence is not None:
