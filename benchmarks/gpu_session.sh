@@ -220,6 +220,26 @@ diag)  # issue 10/11: rounds of N requests through the scheduler (no HTTP), step
   [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-200}"
   logs_to_out diag-logs.tar.gz
   ;;
+fused)  # issue 10/11: the fused decode attention (engines/mlx_attention.py): error and time against
+  # MLX's masked attention; engine steps without and with it; the GPU batch test; then 8 and 32
+  # streams through HTTP with a stack dump of any engine step over half a second (the stall)
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  timeout 120 python3 benchmarks/gpu_attention.py 2>&1 | tail -14 || true
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  echo "== engine steps, MLX's masked attention"
+  MESH_LLM_FUSED_DECODE=0 timeout 100 python3 benchmarks/gpu_mlx_step.py "$m" --tokens 128 2>&1 | tail -7 || true
+  echo "== engine steps, fused"
+  timeout 100 python3 benchmarks/gpu_mlx_step.py "$m" --tokens 128 2>&1 | tail -7 || true
+  MESH_LLM_GPU_MODEL=$m timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/engines/test_mlx_gpu.py \
+    -k eight 2>&1 | tail -8 || true
+  mkdir -p "$conc"
+  export MESH_LLM_STALL_DUMP=0.5
+  run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-200}"
+  grep -v "GET /\\|POST /\\|INFO mesh_llm.worker" "$conc"/qwen2.5-0.5b-fused/logs/*.log | head -300 || true
+  logs_to_out fused-logs.tar.gz
+  ;;
 stall)  # the first recorded round of 8 streams stalls ~3.5 s in the server (not behind the bare
   # scheduler): every thread's stack whenever one engine step takes over half a second
   source .device/b/install-mlx.sh

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
+from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
@@ -133,6 +135,8 @@ class MLXEngine(Engine):
         kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
+        if os.environ.get("MESH_LLM_FUSED_DECODE", "1") != "0" and mlx_attention.install(model):
+            details["decode_attention"] = "one fused kernel for batched rows"
         if not on_gpu():
             details["threads"] = str(threads)
         if kernels:

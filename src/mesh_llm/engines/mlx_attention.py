@@ -1,0 +1,138 @@
+"""Decode attention for a batch of left-padded rows on CUDA, in one kernel.
+
+A decode step of several sequences keeps their KV in mlx-lm's ``BatchKVCache``: rows of different
+lengths are right-aligned and each row's first ``left_padding`` positions masked. MLX 0.32's CUDA
+backend has a fused attention kernel for one query per row (``sdpa_vector``) but it takes no mask
+array, so a masked step falls back to separate kernels per layer (scores, mask, softmax, product) and
+a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H200,
+``benchmarks/gpu_mlx_step.py``). :func:`decode_attention` is that fused kernel with each row's start
+as an input: one thread block per (row, query head), eight warps walking the row's keys with an
+online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
+case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA)
+and leaves every other call to mlx-lm.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+_WARPS = 8
+_HEAD_SIZES = (64, 96, 128, 256)
+
+_SOURCE = """
+    const int row_head = blockIdx.x;
+    const int b = row_head / HQ;
+    const int h = row_head % HQ;
+    const int kv_head = h / (HQ / HKV);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    constexpr int PER_LANE = D / 32;
+    const int length = k_shape[2];
+    const int first = starts[b];
+    const float scale = scales[0];
+
+    const T* qp = q + b * q_strides[0] + h * q_strides[1] + lane * PER_LANE;
+    float qv[PER_LANE];
+    for (int i = 0; i < PER_LANE; ++i) qv[i] = static_cast<float>(qp[i]) * scale;
+
+    const T* kb = k + b * k_strides[0] + kv_head * k_strides[1] + lane * PER_LANE;
+    const T* vb = v + b * v_strides[0] + kv_head * v_strides[1] + lane * PER_LANE;
+    float m = -inf, l = 0.0f, acc[PER_LANE];
+    for (int i = 0; i < PER_LANE; ++i) acc[i] = 0.0f;
+    for (int j = first + warp; j < length; j += WARPS) {
+        const T* kj = kb + j * k_strides[2];
+        float s = 0.0f;
+        for (int i = 0; i < PER_LANE; ++i) s += qv[i] * static_cast<float>(kj[i]);
+        for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
+        const float m_new = fmaxf(m, s);
+        const float correction = expf(m - m_new);
+        const float p = expf(s - m_new);
+        l = l * correction + p;
+        const T* vj = vb + j * v_strides[2];
+        for (int i = 0; i < PER_LANE; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vj[i]);
+        m = m_new;
+    }
+
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+    __shared__ float warp_out[WARPS][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
+    }
+    for (int i = 0; i < PER_LANE; ++i) warp_out[warp][lane * PER_LANE + i] = acc[i];
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float top = -inf;
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w]);
+        float total = 0.0f, value = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = warp_max[w] == -inf ? 0.0f : expf(warp_max[w] - top);
+            total += warp_sum[w] * c;
+            value += warp_out[w][d] * c;
+        }
+        out[(b * HQ + h) * D + d] = static_cast<T>(value / total);
+    }
+"""
+
+_kernel = None
+
+
+def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                     starts: mx.array) -> mx.array:
+    """Attention of one query per row, (B, Hq, 1, D), over keys and values (B, Hkv, L, D), row ``b``
+    reading positions ``starts[b]`` to ``L - 1``. Returns (B, Hq, 1, D) in the queries' dtype."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mesh_llm_decode_attention",
+            input_names=["q", "k", "v", "starts", "scales"],
+            output_names=["out"],
+            source=_SOURCE,
+            ensure_row_contiguous=False,  # a cache's keys are a view of its buffer: read in place
+        )
+    batch, heads, _, size = queries.shape
+    (out,) = _kernel(
+        inputs=[queries, keys, values, starts.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("HQ", heads), ("HKV", keys.shape[1]), ("D", size),
+                  ("WARPS", _WARPS)],
+        grid=(batch * heads * 32 * _WARPS, 1, 1),
+        threadgroup=(32 * _WARPS, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+def applies(queries: mx.array, keys: mx.array, cache, sinks) -> bool:
+    """Whether :func:`decode_attention` stands in for mlx-lm's attention on this call."""
+    return (type(cache) is BatchKVCache and sinks is None and queries.shape[2] == 1
+            and queries.shape[-1] in _HEAD_SIZES and keys.shape[-1] == queries.shape[-1]
+            and queries.shape[1] % keys.shape[1] == 0 and keys.dtype == values.dtype == queries.dtype
+            and queries.dtype in (mx.float16, mx.bfloat16, mx.float32))
+
+
+def install(model) -> bool:
+    """Route the attention of ``model``'s architecture (its mlx-lm module's
+    ``scaled_dot_product_attention``) to :func:`decode_attention` where it applies. Only on CUDA,
+    where the masked step has no fused kernel. Returns whether it is installed."""
+    if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
+        return False
+    module = sys.modules.get(type(model).__module__)
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    if getattr(original, "mesh_llm_decode", False):
+        return True
+
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if applies(queries, keys, cache, sinks):
+            return decode_attention(queries, keys, values, scale, cache.left_padding)
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention.mesh_llm_decode = True
+    module.scaled_dot_product_attention = attention
+    return True
