@@ -233,7 +233,7 @@ fused)  # issue 10/11: the fused decode attention (engines/mlx_attention.py): er
   echo "== engine steps, fused"
   timeout 100 python3 benchmarks/gpu_mlx_step.py "$m" --tokens 128 2>&1 | tail -7 || true
   MESH_LLM_GPU_MODEL=$m timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/engines/test_mlx_gpu.py \
-    -k eight 2>&1 | tail -8 || true
+    -k "eight or fused" 2>&1 | tail -8 || true
   mkdir -p "$conc"
   export MESH_LLM_STALL_DUMP=0.5
   run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-200}"
