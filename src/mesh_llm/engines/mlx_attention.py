@@ -9,7 +9,7 @@ a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H20
 as an input: one thread block per (row, query head), eight warps walking the row's keys with an
 online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA)
-and leaves every other call to mlx-lm.
+and leaves every other call to mlx-lm, on the architectures whose masks it has read (``_VETTED``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from mlx_lm.models.cache import BatchKVCache
 
 _WARPS = 8
 _HEAD_SIZES = (64, 96, 128, 256)
+# mlx-lm architectures read: each layer holding a plain KV cache masks only its rows' left padding in
+# a decode step (sliding-window layers hold rotating caches, which this never takes). Elsewhere a mask
+# might carry more (a window over a plain cache), so other architectures keep mlx-lm's attention.
+_VETTED = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma", "granite",
+                     "olmo2", "smollm3"})
 
 _SOURCE = """
     const int row_head = blockIdx.x;
@@ -33,6 +38,7 @@ _SOURCE = """
     const int length = k_shape[2];
     const int first = starts[b];
     const float scale = scales[0];
+    const float inf = __int_as_float(0x7f800000);
 
     const T* qp = q + b * q_strides[0] + h * q_strides[1] + lane * PER_LANE;
     float qv[PER_LANE];
@@ -107,7 +113,7 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     return out
 
 
-def applies(queries: mx.array, keys: mx.array, cache, sinks) -> bool:
+def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -> bool:
     """Whether :func:`decode_attention` stands in for mlx-lm's attention on this call."""
     return (type(cache) is BatchKVCache and sinks is None and queries.shape[2] == 1
             and queries.shape[-1] in _HEAD_SIZES and keys.shape[-1] == queries.shape[-1]
@@ -121,15 +127,16 @@ def install(model) -> bool:
     where the masked step has no fused kernel. Returns whether it is installed."""
     if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
         return False
-    module = sys.modules.get(type(model).__module__)
+    name = type(model).__module__
+    module = sys.modules.get(name)
     original = getattr(module, "scaled_dot_product_attention", None)
-    if original is None:
+    if original is None or name.rsplit(".", 1)[-1] not in _VETTED:
         return False
     if getattr(original, "mesh_llm_decode", False):
         return True
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if applies(queries, keys, cache, sinks):
+        if applies(queries, keys, values, cache, sinks):
             return decode_attention(queries, keys, values, scale, cache.left_padding)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
