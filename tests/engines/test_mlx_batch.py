@@ -338,3 +338,28 @@ def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
     assert mx.allclose(scores(logits[:1], reporting), reference[:1], atol=1e-5).item()
     top_p = RowSettings([SequenceSampler(SamplingParams(temperature=1, top_p=0.9, seed=5), vocab)], vocab)
     assert mx.allclose(scores(logits[:1], top_p), reference[:1], atol=1e-5).item()
+
+
+def test_the_fused_decode_attention_takes_only_one_query_over_a_batch_cache():
+    """Where engines/mlx_attention.py stands in for mlx-lm's attention (run on the GPU machine by
+    test_mlx_gpu.py): one query per row over a BatchKVCache, a head size it was built for, no sinks,
+    matching dtypes; and it is installed only on CUDA (here, a CPU, mlx-lm's attention is untouched)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from mesh_llm.engines.mlx_attention import applies, install
+
+    q, k = mx.zeros((2, 14, 1, 64), dtype=mx.float16), mx.zeros((2, 2, 9, 64), dtype=mx.float16)
+    batch = BatchKVCache([0, 3])
+    assert applies(q, k, k, batch, None)
+    assert not applies(q, k, k, KVCache(), None)  # one row: MLX's own fused kernel, unmasked
+    assert not applies(mx.zeros((2, 14, 5, 64), dtype=mx.float16), k, k, batch, None)  # a prompt chunk
+    assert not applies(q, k, k, batch, mx.zeros((14,)))  # attention sinks
+    assert not applies(mx.zeros((2, 14, 1, 80)), mx.zeros((2, 2, 9, 80)), mx.zeros((2, 2, 9, 80)), batch, None)
+    assert not applies(q, k.astype(mx.float32), k.astype(mx.float32), batch, None)
+    before = llama.scaled_dot_product_attention
+    assert install(llama.Model(llama.ModelArgs.from_dict({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+        "num_attention_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 32}))) is mx.cuda.is_available()
+    assert (llama.scaled_dot_product_attention is before) is not mx.cuda.is_available()
