@@ -57,9 +57,14 @@ def main() -> None:
         q, k, v, starts, mask = case(b, hq, hkv, d, length, mx.float16, 99)
         scale = d ** -0.5
         timings = {}
-        for label, fn in (("fused", lambda: decode_attention(q, k, v, scale, starts)),
-                          ("mlx masked", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)),
-                          ("mlx unmasked", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))):
+        sdpa = mx.fast.scaled_dot_product_attention
+        calls = {"fused": (decode_attention, (q, k, v, scale, starts), {}),
+                 "mlx masked": (sdpa, (q, k, v), {"scale": scale, "mask": mask}),
+                 "mlx unmasked": (sdpa, (q, k, v), {"scale": scale})}
+        for label, (call, args, kwargs) in calls.items():
+            def fn(call=call, args=args, kwargs=kwargs):
+                return call(*args, **kwargs)
+
             for _ in range(3):
                 mx.eval(fn())
             start = time.perf_counter()

@@ -148,8 +148,8 @@ def serve(
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
                          max_queue=max_queue, max_batch=max_batch, cache_bytes=cache_size,
-                         cache_entries=cache_entries, warm_up=warm_up, deterministic=deterministic, tls_cert=tls_cert, tls_key=tls_key,
-                         mesh=mesh_config)
+                         cache_entries=cache_entries, warm_up=warm_up, deterministic=deterministic,
+                         tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
     except StartupError as exc:

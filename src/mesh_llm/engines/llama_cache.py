@@ -24,9 +24,9 @@ What rounds how on a CPU (measured on SmolLM2 Q4_1 and random F16 GGUFs, llama-c
 So on a CPU, deterministic, a sequence's tokens and logprobs do not depend on the other sequences
 of its batch (their number, contents, sampling, or where their cells are), and for types without
 separate one-row kernels they are bitwise what the sequence gets alone; with float16 cells they agree
-within rounding (``tests/engines/test_llama_batch.py`` measures how far). Reuse stays exact by reusing only KV
-computed in passes of two or more rows (prefill chunks, and decode steps shared with other
-sequences) and leaving at least two prompt tokens to compute, as one chunk. On a GPU flash attention
+within rounding (``tests/engines/test_llama_batch.py`` measures how far). Deterministic, reuse stays
+exact by reusing only KV computed in passes of two or more rows (prefill chunks, and decode steps
+shared with other sequences) and leaving at least two prompt tokens to compute, as one chunk. On a GPU flash attention
 and cell type are llama.cpp's defaults, and none of this is measured.
 
 A one-sequence state (``llama_state_seq_*``) holds every cell of its sequence; restoring one puts its

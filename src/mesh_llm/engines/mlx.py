@@ -35,6 +35,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.base import (
     Engine,
     EngineError,
@@ -46,7 +47,6 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config

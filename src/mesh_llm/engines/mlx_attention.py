@@ -8,8 +8,9 @@ a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H20
 ``benchmarks/gpu_mlx_step.py``). :func:`decode_attention` is that fused kernel with each row's start
 as an input: one thread block per (row, query head), eight warps walking the row's keys with an
 online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
-case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA)
-and leaves every other call to mlx-lm, on the architectures whose masks it has read (``_VETTED``).
+case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
+on an architecture whose decode masks are known to be left padding alone: ``_VETTED``) and leaves
+every other call to mlx-lm.
 """
 
 from __future__ import annotations
