@@ -19,6 +19,12 @@
 #                                                                            # report and table (at most 8 min)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
+# Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
+#   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
+#   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
+#                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
+#                                   (or)  bash benchmarks/gpu_session.sh stall   # 8 streams, stacks of slow steps
+# (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
 # still writes what it measured; $OUT gets results, summaries and logs, and the last call the merged
 # report.md, summary.json, results.jsonl and charts. RUNS (3), WARMUP (1) and MAX_TOKENS (256) can be set.
