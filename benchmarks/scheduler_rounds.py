@@ -123,11 +123,13 @@ def main() -> None:
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None)
+    parser.add_argument("--deterministic", action="store_true", help="the llama engine's bfloat16 KV cells")
+    parser.add_argument("--threads", type=int)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     levels = [int(n) for n in args.streams.split(",")]
     options = EngineOptions(ctx_size=args.ctx_size, max_batch=max(levels), prefill_step=args.prefill_step,
-                            warm_up=args.warm_up)
+                            warm_up=args.warm_up, deterministic=args.deterministic, threads=args.threads)
     started = time.perf_counter()
     engine = TimedEngine(engine_class(args.engine).load(args.model, options), args.profile)
     loaded = time.perf_counter() - started
