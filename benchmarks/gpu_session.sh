@@ -23,7 +23,7 @@
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
-#                                   (or)  bash benchmarks/gpu_session.sh stall   # 8 streams, stacks of slow steps
+# (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
 # still writes what it measured; $OUT gets results, summaries and logs, and the last call the merged
@@ -69,6 +69,11 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   tail -3 /tmp/llama-build.log
   export PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
     LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
+}
+
+mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b)
+  source .device/b/install-mlx.sh
+  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
 }
 
 run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency` run, stopped at its budget
@@ -120,8 +125,7 @@ stage-mlx)  # carry [".device/a", ".device/v"]: stage, and the 0.5B pair written
         touch /tmp/models/$shape.done; done' > /tmp/models.log 2>&1 & echo $! > "$models/synth.pid")
   ;;
 mlx)
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mlx_env
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/engines/test_mlx.py tests/engines/test_mlx_gpu.py} \
     -s 2>&1 | tee "$OUT/gpu-tests.log" | tail -15 || true
@@ -145,8 +149,7 @@ llama)
   tail -c 2000 /tmp/bench-llama/logs/*mesh-llama* 2>/dev/null || true
   ;;
 mlx-gpu)  # GPU tests of the MLX engine, and its raw batched decode (no server)
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mlx_env
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   wait_model qwen2.5-0.5b
   MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 240 python3 -m pytest -q -s -p no:cacheprovider \
@@ -158,8 +161,7 @@ mlx-gpu)  # GPU tests of the MLX engine, and its raw batched decode (no server)
     --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-mlx-7b.json" 2>&1 | tail -8 || true
   ;;
 profile)  # where an MLX decode step's time goes; the MLX GPU tests, verbose
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mlx_env
   wait_model qwen2.5-0.5b
   timeout 200 python3 benchmarks/gpu_mlx_step.py "$models/qwen2.5-0.5b-mlx" 2>&1 | tail -14 || true
   MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
@@ -181,8 +183,8 @@ llama-gpu)  # issue 9: the CUDA load crash, variant by variant; the engine's GPU
   ;;
 mlx-warm)  # issue 11: first request against warm, with and without the on-disk kernel cache and the
   # warm-up; quantize quality on the embedded model (GPU tests) and speed (7B, raw batched decode)
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1 MESH_LLM_HOME=/tmp/mesh-home
+  mlx_env
+  export MESH_LLM_HOME=/tmp/mesh-home
   embedded || true
   wait_model qwen2.5-0.5b
   m=$models/qwen2.5-0.5b-mlx
@@ -210,8 +212,7 @@ mlx-warm)  # issue 11: first request against warm, with and without the on-disk 
   ;;
 diag)  # issue 10/11: rounds of N requests through the scheduler (no HTTP), step by step; the raw
   # engine's step; then the same through HTTP (mesh-llm bench --concurrency), mesh-mlx only
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mlx_env
   nproc; uptime
   wait_model qwen2.5-0.5b
   m=$models/qwen2.5-0.5b-mlx
@@ -229,8 +230,7 @@ diag)  # issue 10/11: rounds of N requests through the scheduler (no HTTP), step
 fused)  # issue 10/11: the fused decode attention (engines/mlx_attention.py): error and time against
   # MLX's masked attention; engine steps without and with it; the GPU batch test; then 8 and 32
   # streams through HTTP with a stack dump of any engine step over half a second (the stall)
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mlx_env
   timeout 120 python3 benchmarks/gpu_attention.py 2>&1 | tail -14 || true
   wait_model qwen2.5-0.5b
   m=$models/qwen2.5-0.5b-mlx
@@ -246,18 +246,8 @@ fused)  # issue 10/11: the fused decode attention (engines/mlx_attention.py): er
   grep -v "GET /\\|POST /\\|INFO mesh_llm.worker" "$conc"/qwen2.5-0.5b-fused/logs/*.log | head -300 || true
   logs_to_out fused-logs.tar.gz
   ;;
-stall)  # the first recorded round of 8 streams stalls ~3.5 s in the server (not behind the bare
-  # scheduler): every thread's stack whenever one engine step takes over half a second
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1 MESH_LLM_STALL_DUMP=0.5
-  mkdir -p "$conc"
-  run_conc qwen2.5-0.5b "${LEVELS_05:-8}" mesh-mlx "${MLX_BUDGET_05:-120}"
-  grep -v "GET /\|POST /" "$conc"/qwen2.5-0.5b-stall/logs/*.log | head -400 || true
-  logs_to_out stall-logs.tar.gz
-  ;;
 conc-mlx)
-  source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  mlx_env
   mkdir -p "$conc"
   [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-240}"
   [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 mesh-mlx 130
