@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,7 +134,7 @@ class MLXEngine(Engine):
         kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
-        if os.environ.get("MESH_LLM_FUSED_DECODE", "1") != "0" and mlx_attention.install(model):
+        if mlx_attention.install(model):
             details["decode_attention"] = "one fused kernel for batched rows"
         if not on_gpu():
             details["threads"] = str(threads)

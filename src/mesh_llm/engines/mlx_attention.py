@@ -15,6 +15,7 @@ every other call to mlx-lm.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import mlx.core as mx
@@ -125,7 +126,10 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -
 def install(model) -> bool:
     """Route the attention of ``model``'s architecture (its mlx-lm module's
     ``scaled_dot_product_attention``) to :func:`decode_attention` where it applies. Only on CUDA,
-    where the masked step has no fused kernel. Returns whether it is installed."""
+    where the masked step has no fused kernel, and unless ``MESH_LLM_FUSED_DECODE=0``. Returns whether
+    it is installed."""
+    if os.environ.get("MESH_LLM_FUSED_DECODE", "1") == "0":
+        return False
     if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
         return False
     name = type(model).__module__
