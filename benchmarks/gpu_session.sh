@@ -23,6 +23,7 @@
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
+#                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
@@ -245,6 +246,35 @@ fused)  # issue 10/11: the fused decode attention (engines/mlx_attention.py): er
   run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-200}"
   grep -v "GET /\\|POST /\\|INFO mesh_llm.worker" "$conc"/qwen2.5-0.5b-fused/logs/*.log | head -300 || true
   logs_to_out fused-logs.tar.gz
+  ;;
+stall)  # issue 10: the 8-stream stall, which earlier runs saw only on a machine's first pass. Each run
+  # starts from an empty kernel folder (a fresh MESH_LLM_HOME) and logs each compiled kernel as it
+  # appears, beside the stack dump of any engine step over half a second: first the scheduler alone,
+  # then through HTTP; then whole engine steps without and with the fused decode attention, alternated
+  mlx_env
+  export MESH_LLM_STALL_DUMP=0.5
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  for where in rounds http; do
+    export MESH_LLM_HOME=/tmp/stall-$where && rm -rf "$MESH_LLM_HOME" && mkdir -p "$MESH_LLM_HOME"
+    python3 benchmarks/kernel_watch.py "$MESH_LLM_HOME" > "$OUT/kernels-$where.log" 2>&1 & watcher=$!
+    echo "== $where, empty kernel folder ($(date +%T))"
+    if [ $where = rounds ]; then
+      timeout 150 python3 benchmarks/scheduler_rounds.py "$m" --streams ${ROUND_LEVELS:-1,8} --rounds 3 \
+        --out "$OUT/rounds-fresh.json" 2>&1 | tail -40 || true
+    else
+      mkdir -p "$conc"
+      RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx "${MLX_BUDGET_05:-150}"
+      grep -v "GET /\\|POST /\\|INFO mesh_llm.worker" "$conc"/qwen2.5-0.5b-stall/logs/*.log | head -300 || true
+    fi
+    kill $watcher 2>/dev/null || true
+    echo "kernels compiled: $(wc -l < "$OUT/kernels-$where.log")"
+  done
+  logs_to_out stall-logs.tar.gz
+  for fused in 0 1 0 1; do
+    echo "== engine steps, fused decode attention $fused"
+    MESH_LLM_FUSED_DECODE=$fused timeout 100 python3 benchmarks/gpu_mlx_step.py "$m" --tokens 128 2>&1 | tail -7 || true
+  done
   ;;
 conc-mlx)
   mlx_env
