@@ -252,6 +252,10 @@ stall)  # issue 10: the 8-stream stall, which earlier runs saw only on a machine
   # appears, beside the stack dump of any engine step over half a second: first the scheduler alone,
   # then through HTTP; then whole engine steps without and with the fused decode attention, alternated
   mlx_env
+  echo "== import: the engine (torch hidden), plain mlx-lm (transformers imports torch), the engine again"
+  for what in mesh_llm.engines.mlx mlx_lm.utils mesh_llm.engines.mlx; do
+    python3 -c "import sys, time; t = time.time(); import $what; print('$what', round(time.time() - t, 2), 's; torch:', 'torch' in sys.modules)" 2>&1 | tail -1
+  done
   export MESH_LLM_STALL_DUMP=0.5
   wait_model qwen2.5-0.5b
   m=$models/qwen2.5-0.5b-mlx

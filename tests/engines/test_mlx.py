@@ -423,6 +423,39 @@ def test_mlx_multiplies_with_openblas_on_linux_cpu(tmp_path):
     assert blas == "reference (slow)" and "imported before" in stderr
 
 
+TORCH_PROBE = """
+import sys
+if sys.argv[1] == "engine":
+    import mesh_llm.engines.mlx
+else:
+    import mlx_lm.utils
+print("torch" in sys.modules)
+import torch
+print(torch.__version__)
+"""
+
+
+def test_the_engine_imports_mlx_lm_without_torch(tmp_path):
+    """Where torch is installed, transformers imports it when mlx-lm imports transformers (12-17 s of
+    an MLX server's start on the H200 image). A stand-in torch, installed with its metadata as pip
+    would: plain mlx-lm imports it; the engine's import does not, and ``import torch`` still works
+    after it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("__version__ = '2.9.0'\n")
+    (tmp_path / "torch-2.9.0.dist-info").mkdir()
+    (tmp_path / "torch-2.9.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+
+    def probe(how):
+        out = subprocess.run([sys.executable, "-c", TORCH_PROBE, how], env=env, check=True,
+                             capture_output=True, text=True)
+        return out.stdout.split()
+
+    assert probe("mlx_lm") == ["True", "2.9.0"]  # the stand-in is one transformers takes
+    assert probe("engine") == ["False", "2.9.0"]
+
+
 def test_tokenizer_adds_the_bos_its_config_asks_for(checkpoints, tokenizer_obj, tmp_path):
     """tokenizer_config's add_bos_token, for tokenizer.json files without a BOS post-processor."""
     folder = _copy(checkpoints["llama"].path, tmp_path / "with-bos")

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import ensure_fast_blas, physical_cores, set_blas_threads
+from mesh_llm.engines.mlx_blas import prepare_mlx, physical_cores, set_blas_threads
 
-_BLAS = ensure_fast_blas()  # must run before mlx.core is first imported in the process
+_BLAS = prepare_mlx()  # must run before mlx and mlx-lm are first imported in the process
 
 import mlx.core as mx
 from mlx import nn

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import ensure_fast_blas
+from mesh_llm.engines.mlx_blas import prepare_mlx
 
-ensure_fast_blas()  # before mlx.core is first imported in the process
+prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache

@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mesh_llm.engines.mlx_blas import ensure_fast_blas
+from mesh_llm.engines.mlx_blas import prepare_mlx
 
-ensure_fast_blas()  # before mlx.core is first imported in the process
+prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 
 import mlx.core as mx
 import mlx_lm
