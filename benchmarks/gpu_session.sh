@@ -283,6 +283,11 @@ stall)  # issue 10: the 8-stream stall, which earlier runs saw only on a machine
 conc-mlx)
   mlx_env
   mkdir -p "$conc"
+  if [ "${GPU_TESTS:-0}" = 1 ]; then  # the batch-against-solo GPU tests first (about a minute)
+    wait_model qwen2.5-0.5b
+    MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 150 python3 -m pytest -q -s -p no:cacheprovider \
+      tests/engines/test_mlx_gpu.py -k "eight or fused or seeded" 2>&1 | tail -8 || true
+  fi
   [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${MLX_BUDGET_05:-240}"
   [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 mesh-mlx 130
   logs_to_out conc-mlx-logs.tar.gz

@@ -67,11 +67,28 @@ def smollm():
     engine.close()
 
 
-def sibling(engine, pipelined=None, **options):
+def sibling(engine, pipelined=None, together=None, model=None, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
-    reading the last, as on a GPU (the default there), to check that path on this CPU."""
-    return MLXEngine(engine._model, engine.tokenizer, {}, CONTEXT,
-                     EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined)
+    reading the last, and ``together``: read chunks that start at the same position in one pass, as
+    on a GPU (the defaults there), to check those paths on this CPU."""
+    return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
+                     EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined,
+                     together=together)
+
+
+class CountingModel:
+    """A model that records the rows of every pass over more than one position (prompt chunks)."""
+
+    def __init__(self, model):
+        self.model, self.chunk_rows = model, []
+
+    def __call__(self, inputs, cache=None):
+        if inputs.shape[1] > 1:
+            self.chunk_rows.append(inputs.shape[0])
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
 
 
 def chat(engine, question, document=""):
@@ -108,6 +125,23 @@ def test_eight_sequences_match_their_solo_runs(smollm):
         assert all(len(s.top_logprobs) == (params.logprobs or 0) for s in batched[i])
     print(f"\n{len(differ)} of 8 sequences diverge from their solo runs: {differ}")
     assert smollm.cache_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
+def test_chunks_read_together_match_their_solo_runs(smollm, pipelined):
+    """Prompt chunks that start at the same position read in one pass, shorter ones right-padded
+    (the GPU default): each of the eight answers as it does alone, and passes of several rows ran."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, pipelined, together=True, model=model, cache_bytes=0)
+    cases = eight_cases(engine)
+    alone = [run_alone(smollm, c) for c in cases]
+    batched = run_batched(engine, cases, budget=4096)
+    assert max(model.chunk_rows) >= 3, model.chunk_rows
+    for i, case in enumerate(cases):
+        if case.params().logprobs is None:
+            assert [s.token for s in batched[i]] == [s.token for s in alone[i]]
+        else:
+            assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None
 
 
 def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(smollm):
@@ -204,11 +238,12 @@ def test_the_prompt_cache_yields_memory_to_live_sequences(smollm):
     assert engine.cache_stats()["max_bytes"] == idle
 
 
-def test_sequences_resume_from_stored_and_live_states(smollm):
+@pytest.mark.parametrize("together", [False, True], ids=["one-pass-each", "together"])
+def test_sequences_resume_from_stored_and_live_states(smollm, together):
     """One document, four questions arriving together: the first reads the document, the others
     wait for it and copy its state; a later one resumes from a running sequence; each answers as it
     does alone."""
-    engine = sibling(smollm, cache_bytes=1 << 30)
+    engine = sibling(smollm, together=together, cache_bytes=1 << 30)
     cases = [Case(chat(engine, q, DOCUMENT), greedy(), 8) for q in QUESTIONS[:4]]
     shared = min(common(cases[0].prompt, c.prompt) for c in cases[1:])
     assert shared > 150

@@ -32,7 +32,7 @@ _BLAS = prepare_mlx()  # must run before mlx and mlx-lm are first imported in th
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.base import (
@@ -46,7 +46,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
+from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy, kv_rows
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
@@ -91,8 +91,11 @@ class MLXEngine(Engine):
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
-                 model_format: str, pipelined: bool | None = None):
-        """``pipelined``: queue step n+1 before reading step n (default: on a GPU only)."""
+                 model_format: str, pipelined: bool | None = None, together: bool | None = None):
+        """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
+        ``together``: prompt chunks that start at the same position are read in one forward pass
+        (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
+        cost grows with the rows, and one pass per sequence keeps its results those of a solo run)."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -108,6 +111,8 @@ class MLXEngine(Engine):
         self._groups: list[DecodeGroup] = []
         self._steps = 0
         fresh = make_prompt_cache(model)
+        self._together = (on_gpu() if together is None else together) and all(
+            type(c) is KVCache for c in fresh)  # plain KV rows can be stacked and split again
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
@@ -304,6 +309,7 @@ class MLXEngine(Engine):
         one's), so that a prompt is split the same way alone, batched or resumed, and rounds the
         same (a model that needs checkpoints leaves one there)."""
         step, progressed = max(1, self._options.prefill_step), False
+        pending: list[tuple[_Sequence, int]] = []  # chunks read together after the loop
         for s in list(self._reading):
             if budget <= 0:
                 break
@@ -318,11 +324,25 @@ class MLXEngine(Engine):
                     continue
                 end = s.read + budget  # the first in line always makes progress
             if s.read < target:
-                budget -= self._read_chunk(s, end)
+                if self._together:
+                    pending.append((s, end))
+                    budget -= end - s.read
+                else:
+                    budget -= self._read_chunk(s, end)
                 progressed = True
             if s.read == target:
                 self._reading.remove(s)
                 self._join(s)
+        for start in sorted({s.read for s, _ in pending}):
+            rows = [(s, end) for s, end in pending if s.read == start]
+            if len(rows) == 1:
+                self._read_chunk(*rows[0])
+            else:
+                self._read_together(rows)
+            for s, _ in rows:
+                if s.read == len(s.prompt) - 1:
+                    self._reading.remove(s)
+                    self._join(s)
 
     def _read_chunk(self, s: _Sequence, end: int) -> int:
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
@@ -339,6 +359,33 @@ class MLXEngine(Engine):
             self._keep(s.prompt[:end], copy.deepcopy(s.cache))
         return end - start
 
+    def _read_together(self, rows: list[tuple[_Sequence, int]]) -> None:
+        """Chunks of several sequences that all hold ``start`` tokens, in one forward pass: their KV
+        stacked into one batch cache, shorter chunks right-padded (a causal mask keeps padding that
+        follows a row's tokens out of them), then each row's KV cut back out up to its own end."""
+        start = rows[0][0].read
+        width = max(end for _, end in rows) - start
+        tokens = mx.array([s.prompt[start:end] + [0] * (width - (end - start)) for s, end in rows])
+        batch = []
+        for layer in range(len(rows[0][0].cache)):
+            c = KVCache()
+            if start:
+                c.keys = mx.concatenate([s.cache[layer].keys[..., :start, :] for s, _ in rows])
+                c.values = mx.concatenate([s.cache[layer].values[..., :start, :] for s, _ in rows])
+                c.offset = start
+            batch.append(c)
+        self._model(tokens, cache=batch)
+        state = []
+        for i, (s, end) in enumerate(rows):
+            s.cache = [kv_rows(c, i, end) for c in batch]
+            s.read = end
+            state += [a for c in s.cache for a in (c.keys, c.values)]
+        if self._pipelined:
+            mx.async_eval(state)
+        else:
+            mx.eval(state)
+            mx.clear_cache()
+
     def _waits(self, s: _Sequence) -> bool:
         """Whether ``s`` should let an earlier sequence read the prefix they share first, then
         resume from it (one document, many questions), rather than compute it again."""
@@ -348,7 +395,8 @@ class MLXEngine(Engine):
             if other is s:
                 return False
             shared = _common_prefix(other.prompt, s.prompt, min(len(other.prompt), len(s.prompt)) - 1)
-            if shared > other.read:
+            # reading together, a prefix shorter than a chunk costs less read again than waited for
+            if shared > other.read and (not self._together or shared >= self._options.prefill_step):
                 return True
         return False
 
