@@ -333,8 +333,9 @@ class MLXEngine(Engine):
             if s.read == target:
                 self._reading.remove(s)
                 self._join(s)
-        for start in sorted({s.read for s, _ in pending}):
-            rows = [(s, end) for s, end in pending if s.read == start]
+        starts = [s.read for s, _ in pending]  # before any is read
+        for start in sorted(set(starts)):
+            rows = [p for p, at in zip(pending, starts) if at == start]
             if len(rows) == 1:
                 self._read_chunk(*rows[0])
             else:
