@@ -280,6 +280,17 @@ stall)  # issue 10: the 8-stream stall, which earlier runs saw only on a machine
     MESH_LLM_FUSED_DECODE=$fused timeout 100 python3 benchmarks/gpu_mlx_step.py "$m" --tokens 128 2>&1 | tail -7 || true
   done
   ;;
+together)  # prompt chunks read in one pass (MESH_LLM_PREFILL_TOGETHER=1, the GPU default) or one
+  # pass per sequence (=0), alternated: rounds of 8 and 32 requests through the scheduler, then HTTP
+  mlx_env
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  for t in 0 1 0 1; do
+    echo "== MESH_LLM_PREFILL_TOGETHER=$t"
+    MESH_LLM_PREFILL_TOGETHER=$t timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 8,32 \
+      --rounds 2 --out "$OUT/rounds-together-$t.json" 2>&1 | grep "^| [0-9]" || true
+  done
+  ;;
 conc-mlx)
   mlx_env
   mkdir -p "$conc"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,8 +112,9 @@ class MLXEngine(Engine):
         self._groups: list[DecodeGroup] = []
         self._steps = 0
         fresh = make_prompt_cache(model)
-        self._together = (on_gpu() if together is None else together) and all(
-            type(c) is KVCache for c in fresh)  # plain KV rows can be stacked and split again
+        if together is None:  # MESH_LLM_PREFILL_TOGETHER=0: one pass per sequence, to compare
+            together = on_gpu() and os.environ.get("MESH_LLM_PREFILL_TOGETHER", "1") != "0"
+        self._together = together and all(type(c) is KVCache for c in fresh)  # stacked, split again
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
