@@ -155,6 +155,8 @@ def serve(
     except StartupError as exc:
         fail(str(exc))
         code = 2
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has shut down
+        code = 130
     # The workers have stopped and closed their engines. Skip C++ static destructors: MLX's abort
     # ("terminate called without an active exception", exit -6) when a stream thread outlives them.
     logging.shutdown()
