@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import prepare_mlx, physical_cores, set_blas_threads
+from mesh_llm.engines.mlx_blas import physical_cores, prepare_mlx, set_blas_threads
 
 _BLAS = prepare_mlx()  # must run before mlx and mlx-lm are first imported in the process
 
