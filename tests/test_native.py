@@ -39,6 +39,17 @@ def test_a_library_with_a_static_libstdcxx_is_recognised(tmp_path):
     assert not native.carries_cxx_runtime(tmp_path / "notelf.so")
 
 
+def test_without_pyelftools_a_cuda_library_counts_as_carrying_it(tmp_path, monkeypatch):
+    """On the H200 a CUDA build loaded late without pyelftools died with SIGSEGV: unable to look,
+    the check loads CUDA libraries first and leaves the others alone."""
+    for name in ("elftools", "elftools.common.exceptions", "elftools.elf.elffile"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.warns(UserWarning, match="pyelftools is not installed"):
+        assert native.carries_cxx_runtime(tmp_path / "libggml-cuda.so")
+    with pytest.warns(UserWarning):
+        assert not native.carries_cxx_runtime(tmp_path / "libggml-cpu.so")
+
+
 def test_the_installed_llama_cpp_build_keeps_libstdcxx_to_itself():
     folder = native.library_dir()
     libs = [p for p in folder.glob("lib*.so*") if not p.is_symlink()]

@@ -49,15 +49,17 @@ def library_dir() -> Path | None:
 
 def carries_cxx_runtime(library: Path) -> bool:
     """Whether a shared library defines (not just uses) libstdc++'s locale facet ids. Without
-    pyelftools (part of the llama extra) it cannot tell, and says so once rather than break
-    ``import mesh_llm``."""
+    pyelftools (part of the llama extra) it cannot tell, says so once rather than break
+    ``import mesh_llm``, and counts a CUDA library as carrying them: loading one first costs
+    nothing, loading it late crashed (SIGSEGV on the H200 when pyelftools was missing)."""
     try:
         from elftools.common.exceptions import ELFError
         from elftools.elf.elffile import ELFFile
     except ImportError:
         warnings.warn("pyelftools is not installed, so mesh-llm cannot check whether llama.cpp's "
-                      "libraries must load first; install mesh-llm[llama]", stacklevel=2)
-        return False
+                      "libraries must load first (CUDA ones are loaded first); install "
+                      "mesh-llm[llama]", stacklevel=2)
+        return "cuda" in library.name
 
     try:
         with open(library, "rb") as f:
