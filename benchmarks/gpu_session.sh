@@ -5,6 +5,8 @@
 #
 # Every session starts with:
 #   1. carry [".device/llama"]  bash benchmarks/gpu_session.sh build   # llama.cpp CUDA and both models, in the background
+#      (2026-12-03: this call held until its 120 s timeout although its jobs run detached; give it
+#      timeout_s 45: the build and the models go on, and .device/llama with .device/a is over 64 MiB)
 #   2. carry [".device/a"]      bash benchmarks/gpu_session.sh stage
 # then either the single-stream matrix, GPU tests and prompt cache:
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx     # GPU tests, MLX runs
