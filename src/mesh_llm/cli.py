@@ -118,6 +118,9 @@ def serve(
                                                 "(default: from --host and --port).", rich_help_panel="Mesh"),
     first_byte_timeout: float = typer.Option(10.0, help="Seconds a peer may stay silent before the next "
                                              "node is tried.", rich_help_panel="Mesh"),
+    stream_idle_timeout: float = typer.Option(60.0, help="Seconds a forwarded answer may stop midway "
+                                              "before it is ended with an error (0: never).",
+                                              rich_help_panel="Mesh"),
     tls_cert: Optional[str] = typer.Option(None, help="Serve HTTPS with this certificate (PEM).",
                                            rich_help_panel="TLS"),
     tls_key: Optional[str] = typer.Option(None, help="The certificate's private key (PEM).",
@@ -144,7 +147,7 @@ def serve(
     mesh_config = None
     if mesh or mesh_token or join or client or discover:
         mesh_config = mesh_settings(mesh, mesh_token, join, client, discover, node_name, advertise_url,
-                                    first_byte_timeout, tls_ca)
+                                    first_byte_timeout, tls_ca, stream_idle_timeout)
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
                          max_queue=max_queue, max_batch=max_batch, cache_bytes=cache_size,
@@ -167,7 +170,7 @@ def serve(
 
 def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, discover: bool,
                   node_name: str | None, advertise_url: str | None, first_byte_timeout: float,
-                  tls_ca: str | None):
+                  tls_ca: str | None, stream_idle_timeout: float):
     """The mesh flags as a MeshConfig, or a one-line error."""
     from mesh_llm.mesh import MeshConfig, new_token
 
@@ -177,6 +180,8 @@ def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, 
                    "MESH_LLM_MESH_TOKEN")
     if not first_byte_timeout > 0:
         raise fail("--first-byte-timeout must be a positive number of seconds")
+    if not stream_idle_timeout >= 0:
+        raise fail("--stream-idle-timeout must be 0 (never) or a positive number of seconds")
     for url in [*join, *([advertise_url] if advertise_url else [])]:
         if not url.startswith(("http://", "https://")):
             raise fail(f"{url!r} is not an API address: write http(s)://host:port")
@@ -184,7 +189,8 @@ def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, 
         raise fail("--node-name may use letters, digits and . _ : - (at most 128)")
     return MeshConfig(token=token or new_token(), join=join, client=client, discover=discover,
                       node_name=node_name, advertise_url=advertise_url, tls_ca=tls_ca,
-                      first_byte_timeout=first_byte_timeout, generated_token=token is None)
+                      first_byte_timeout=first_byte_timeout, stream_idle_timeout=stream_idle_timeout,
+                      generated_token=token is None)
 
 
 def parse_bytes(text: str) -> int:

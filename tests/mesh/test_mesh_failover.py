@@ -1,10 +1,12 @@
 """Failures, in the order they happen to one mesh: node x serves `solo`, y and z both serve `dup`, w is
 a client node. z is killed (kill -9) in the middle of a stream, then x; a stub that accepts
-connections and never answers joins; x restarts. The tests run in file order and build on each other.
+connections and never answers joins; x restarts, then stops (SIGSTOP) for a moment in the middle of a
+stream. The tests run in file order and build on each other.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -12,6 +14,7 @@ import pytest
 from mesh_nodes import PEER, SilentPeer, chat, mesh_view, served_models, wait_for
 
 FIRST_BYTE_TIMEOUT = 2.0
+IDLE_TIMEOUT = 2.0  # w's --stream-idle-timeout; under the 4 s after which a silent node is marked down
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +22,7 @@ def mesh(nodes):
     x = nodes.start("x", "--alias", "solo")
     y = nodes.start("y", "--alias", "dup", "--join", x.url, "--first-byte-timeout", str(FIRST_BYTE_TIMEOUT))
     z = nodes.start("z", "--alias", "dup", "--join", y.url)
-    w = nodes.start("w", "--client", "--join", z.url, model=False)
+    w = nodes.start("w", "--client", "--join", z.url, "--stream-idle-timeout", str(IDLE_TIMEOUT), model=False)
     for node in (x, y, z, w):
         wait_for(lambda: served_models(node) == {"solo": ["x"], "dup": ["y", "z"]}, 15, "all see all")
     return {"x": x, "y": y, "z": z, "w": w, "nodes": nodes}
@@ -110,7 +113,7 @@ def test_a_silent_peer_costs_at_most_the_first_byte_timeout(mesh):
 
 def test_the_killed_node_restarts_and_rejoins(mesh):
     y, w = mesh["y"], mesh["w"]
-    x = mesh["nodes"].start("x", "--alias", "solo", "--join", w.url)  # same name, a new process
+    x = mesh["x"] = mesh["nodes"].start("x", "--alias", "solo", "--join", w.url)  # same name, a new process
     for node in (y, w):
         wait_for(lambda: served_models(node).get("solo") == ["x"], 10, "solo is back in every /v1/models")
     reply = chat(w, "solo", max_tokens=2)
@@ -118,3 +121,27 @@ def test_the_killed_node_restarts_and_rejoins(mesh):
     assert mesh_view(y)["x"] == "up"
     for node in (x, y, w):
         assert "Traceback" not in node.output()
+
+
+def test_a_stream_whose_node_stays_up_but_falls_silent_ends_after_the_idle_timeout(mesh):
+    """x stops (SIGSTOP) in the middle of a stream through w, as a node whose engine hangs: the
+    stream ends with an error event after w's --stream-idle-timeout, before x could be marked down,
+    and x serves again once it goes on."""
+    x, w = mesh["x"], mesh["w"]
+    body = {"model": "solo", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    events = []
+    try:
+        with httpx.stream("POST", w.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.headers["x-mesh-served-by"] == "x"
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    x.proc.send_signal(signal.SIGSTOP)
+    finally:
+        x.proc.send_signal(signal.SIGCONT)
+    assert events[-1] == "[DONE]" and "peer_failed" in events[-2], events[-3:]
+    assert f"it sent nothing for {IDLE_TIMEOUT:g}s" in events[-2], events[-2]
+    wait_for(lambda: chat(w, "solo", max_tokens=2).status_code == 200, 15, "x serves again")
+    assert "Traceback" not in w.output()

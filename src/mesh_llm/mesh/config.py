@@ -24,6 +24,7 @@ class MeshConfig:
     advertise_url: str | None = None  # the API address peers use; default: from --host/--port
     tls_ca: str | None = None  # CA bundle to verify peers' certificates (default: the system's)
     first_byte_timeout: float = 10.0  # a peer silent this long is skipped for the next candidate
+    stream_idle_timeout: float = 60.0  # a forwarded body silent this long midway is ended (0: never)
     connect_timeout: float = 2.0
     heartbeat_interval: float = 1.0
     down_after: float = 4.0  # no newer heartbeat (or no answer to ours) this long: down

@@ -161,7 +161,8 @@ class Gateway:
         headers = forward_headers(scope["headers"], self.node.config.token, self.node.id)
         with self.node.watch(member_id, model) as lost:
             return await attempt(self.node.http, member.record.url, scope, body, headers,
-                                 self.node.config.first_byte_timeout, lost, receive, send, extra)
+                                 self.node.config.first_byte_timeout, lost, receive, send, extra,
+                                 idle_timeout=self.node.config.stream_idle_timeout)
 
     async def _unavailable(self, model: str, failures: list[tuple[str, Failure]], send, scope, receive):
         """No node served it: a node's own client-side answer if one gave one (a full queue, a prompt

@@ -81,9 +81,10 @@ def forward_headers(headers: list[tuple[bytes, bytes]], token: str, entry_id: st
 
 async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, headers: list[tuple[str, str]],
                   first_byte_timeout: float, peer_lost: asyncio.Event, receive, send,
-                  extra: list[tuple[bytes, bytes]]) -> Failure | None:
+                  extra: list[tuple[bytes, bytes]], idle_timeout: float = 0) -> Failure | None:
     """Forward to ``url``; None once the answer went to the client, else a :class:`Failure`.
-    ``peer_lost`` is set (by the caller) when the peer is marked down meanwhile."""
+    ``peer_lost`` is set (by the caller) when the peer is marked down meanwhile; a body that stops
+    for ``idle_timeout`` seconds once under way is ended (0: never), as if the peer had gone."""
     query = scope.get("query_string", b"").decode("latin-1")
     request = http.build_request(scope["method"], url + scope["path"] + (f"?{query}" if query else ""),
                                  headers=headers, content=body)
@@ -105,7 +106,8 @@ async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, h
         except httpx.HTTPError as exc:
             return Failure(f"dropped the request ({_short(exc)})")
         try:
-            return await _deliver(upstream, first_byte_timeout, stop, client_gone, send, extra)
+            return await _deliver(upstream, first_byte_timeout, idle_timeout, stop, client_gone, send,
+                                  extra)
         finally:
             await upstream.aclose()
     finally:
@@ -113,8 +115,8 @@ async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, h
             task.cancel()
 
 
-async def _deliver(upstream: Upstream, timeout: float, stop: asyncio.Event, client_gone: asyncio.Event,
-                   send, extra) -> Failure | None:
+async def _deliver(upstream: Upstream, timeout: float, idle_timeout: float, stop: asyncio.Event,
+                   client_gone: asyncio.Event, send, extra) -> Failure | None:
     if upstream.response.headers.get(RELAY_HEADER) != "1":
         return Failure(f"answered {upstream.status} without relaying (a different mesh token?)")
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in upstream.headers
@@ -131,16 +133,18 @@ async def _deliver(upstream: Upstream, timeout: float, stop: asyncio.Event, clie
         return None
     await send({"type": "http.response.start", "status": upstream.status, "headers": [*headers, *extra]})
     content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
-    await _pipe(upstream, stop, client_gone, send, content_type.startswith("text/event-stream"))
+    await _pipe(upstream, idle_timeout, stop, client_gone, send, content_type.startswith("text/event-stream"))
     return None
 
 
-async def _pipe(upstream: Upstream, stop: asyncio.Event, client_gone: asyncio.Event, send, sse: bool) -> None:
+async def _pipe(upstream: Upstream, idle_timeout: float, stop: asyncio.Event, client_gone: asyncio.Event,
+                send, sse: bool) -> None:
     """Pass the body on as it comes; server-sent events whole, so that an error event can follow
-    the last complete one if the peer breaks off."""
+    the last complete one if the peer breaks off or falls silent (a node whose heartbeats go on
+    while its engine is stuck would otherwise hold the stream for ever)."""
     pending = b""
     try:
-        while (chunk := await upstream.next(None, stop)) is not None:
+        while (chunk := await upstream.next(idle_timeout or None, stop)) is not None:
             if sse:
                 pending += chunk
                 cut = pending.rfind(b"\n\n") + 2
@@ -149,10 +153,12 @@ async def _pipe(upstream: Upstream, stop: asyncio.Event, client_gone: asyncio.Ev
                 chunk, pending = pending[:cut], pending[cut:]
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except (httpx.HTTPError, Stopped) as exc:
+    except (httpx.HTTPError, Stopped, PeerSilent) as exc:
         if client_gone.is_set():
             return
-        reason = "the node went down" if isinstance(exc, Stopped) else f"the connection broke ({_short(exc)})"
+        reason = ("the node went down" if isinstance(exc, Stopped) else
+                  f"it sent nothing for {idle_timeout:g}s" if isinstance(exc, PeerSilent) else
+                  f"the connection broke ({_short(exc)})")
         if not sse:
             raise PeerBrokeOff(reason) from None  # no valid way to end a half-sent JSON body
         event = error_body(502, f"the node serving this stream failed: {reason}", code="peer_failed")
