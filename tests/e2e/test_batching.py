@@ -209,7 +209,7 @@ def _wait_for(server, condition, timeout: float = 60) -> str:
 
 
 def test_a_batching_mlx_server_stops_cleanly_on_sigint(server_factory):
-    """SIGINT after batched requests: exit code 130 and no abort. uvicorn raises the SIGINT it caught
+    """SIGINT after batched requests: a clean exit, no abort. uvicorn raises the SIGINT it caught
     again once it has shut down; before the CLI caught that, the interpreter's exit ran MLX's C++
     static destructors, which aborted ("terminate called without an active exception", exit -6) in
     4 runs of 4 like this one."""
@@ -222,5 +222,7 @@ def test_a_batching_mlx_server_stops_cleanly_on_sigint(server_factory):
     for t in streams:
         t.join()
     server.proc.send_signal(signal.SIGINT)
-    assert server.proc.wait(30) == 130, server.output()[-2000:]
+    # 130, or 0 where the server started with SIGINT ignored (a background job of a shell), which
+    # uvicorn restores before it raises the signal again
+    assert server.proc.wait(30) in (0, 130), server.output()[-2000:]
     assert "terminate called" not in server.output()
