@@ -145,6 +145,7 @@ def test_it_listens_on_loopback_only(node):
     (["--client", "--mesh-token", TOKEN], "--client needs --join URL or --discover"),
     (["--client", "--join", "localhost:9", "--mesh-token", TOKEN], "is not an API address"),
     (["--mesh", "--first-byte-timeout", "0"], "--first-byte-timeout must be a positive number"),
+    (["--mesh", "--stream-idle-timeout", "-1"], "--stream-idle-timeout must be 0 (never) or a positive"),
     (["--mesh", "--node-name", "a b"], "--node-name may use letters"),
 ])
 def test_mesh_flags_that_cannot_work_are_one_error_line(flags, message):
