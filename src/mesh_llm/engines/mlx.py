@@ -351,12 +351,7 @@ class MLXEngine(Engine):
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
         start = s.read
         self._model(mx.array(s.prompt[start:end])[None], cache=s.cache)
-        state = [c.state for c in s.cache]
-        if self._pipelined:
-            mx.async_eval(state)
-        else:
-            mx.eval(state)
-            mx.clear_cache()
+        self._evaluate([c.state for c in s.cache])
         s.read = end
         if self._checkpoints and self._caching and (end % step == 0 or end == target):
             self._keep(s.prompt[:end], copy.deepcopy(s.cache))
@@ -383,6 +378,11 @@ class MLXEngine(Engine):
             s.cache = [kv_rows(c, i, end) for c in batch]
             s.read = end
             state += [a for c in s.cache for a in (c.keys, c.values)]
+        self._evaluate(state)
+
+    def _evaluate(self, state: list) -> None:
+        """A chunk's KV: queued on a GPU (the next step's graph waits for it), evaluated now on a
+        CPU, whose allocator then gives back the chunk's activations."""
         if self._pipelined:
             mx.async_eval(state)
         else:
