@@ -47,7 +47,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy, kv_rows
+from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
@@ -375,7 +375,8 @@ class MLXEngine(Engine):
         self._model(tokens, cache=batch)
         state = []
         for i, (s, end) in enumerate(rows):
-            s.cache = [kv_rows(c, i, end) for c in batch]
+            s.cache = [kv_copy(c.keys[i:i + 1, :, :end], c.values[i:i + 1, :, :end], now=False)
+                       for c in batch]
             s.read = end
             state += [a for c in s.cache for a in (c.keys, c.values)]
         self._evaluate(state)

@@ -196,21 +196,13 @@ class DecodeGroup:
         return out
 
 
-def kv_rows(c: KVCache, row: int, end: int) -> KVCache:
-    """A plain KV cache holding a copy of row ``row``'s first ``end`` positions of ``c``, queued, not
-    evaluated (``c`` is not written again)."""
-    cache = KVCache()
-    cache.keys = mx.contiguous(c.keys[row:row + 1, :, :end, :])
-    cache.values = mx.contiguous(c.values[row:row + 1, :, :end, :])
-    cache.offset = end
-    return cache
-
-
-def kv_copy(keys: mx.array, values: mx.array) -> KVCache:
-    """A plain KV cache owning a copy of ``keys`` and ``values`` (evaluated now, so that it keeps no
-    reference to the buffer it was cut from, which that buffer's owner then updates in place)."""
+def kv_copy(keys: mx.array, values: mx.array, now: bool = True) -> KVCache:
+    """A plain KV cache owning a copy of ``keys`` and ``values``, evaluated now so that it keeps no
+    reference to the buffer it was cut from, which that buffer's owner then updates in place.
+    ``now=False`` only queues the copy, for a source nothing writes again."""
     cache = KVCache()
     cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
     cache.offset = keys.shape[2]
-    mx.eval(cache.keys, cache.values)
+    if now:
+        mx.eval(cache.keys, cache.values)
     return cache
