@@ -332,9 +332,7 @@ class MLXEngine(Engine):
                 else:
                     budget -= self._read_chunk(s, end)
                 progressed = True
-            if s.read == target:
-                self._reading.remove(s)
-                self._join(s)
+            self._join_when_read(s)
         starts = [s.read for s, _ in pending]  # before any is read
         for start in sorted(set(starts)):
             rows = [p for p, at in zip(pending, starts) if at == start]
@@ -343,9 +341,12 @@ class MLXEngine(Engine):
             else:
                 self._read_together(rows)
             for s, _ in rows:
-                if s.read == len(s.prompt) - 1:
-                    self._reading.remove(s)
-                    self._join(s)
+                self._join_when_read(s)
+
+    def _join_when_read(self, s: _Sequence) -> None:
+        if s.read == len(s.prompt) - 1:
+            self._reading.remove(s)
+            self._join(s)
 
     def _read_chunk(self, s: _Sequence, end: int) -> int:
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
