@@ -26,8 +26,8 @@ of its batch (their number, contents, sampling, or where their cells are), and f
 separate one-row kernels they are bitwise what the sequence gets alone; with float16 cells they agree
 within rounding (``tests/engines/test_llama_batch.py`` measures how far). Deterministic, reuse stays
 exact by reusing only KV computed in passes of two or more rows (prefill chunks, and decode steps
-shared with other sequences) and leaving at least two prompt tokens to compute, as one chunk. On a GPU flash attention
-and cell type are llama.cpp's defaults, and none of this is measured.
+shared with other sequences) and leaving at least two prompt tokens to compute, as one chunk. On a
+GPU flash attention and cell type are llama.cpp's defaults, and none of this is measured.
 
 A one-sequence state (``llama_state_seq_*``) holds every cell of its sequence; restoring one puts its
 cells in free cells anywhere, which attention no longer notices. Recurrent state (alone or in a
