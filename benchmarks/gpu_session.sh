@@ -26,6 +26,7 @@
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
+#   (with SHAPES="qwen2.5-0.5b qwen2.5-7b" on stage-mlx)  bash benchmarks/gpu_session.sh gemv  # the decode product
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
@@ -292,6 +293,20 @@ together)  # prompt chunks read in one pass (MESH_LLM_PREFILL_TOGETHER=1, the GP
     MESH_LLM_PREFILL_TOGETHER=$t timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 8,32 \
       --rounds 2 --out "$OUT/rounds-together-$t.json" 2>&1 | grep "^| [0-9]" || true
   done
+  ;;
+gemv)  # carry [".device/b"], after stage-mlx with SHAPES="qwen2.5-0.5b qwen2.5-7b": the decode product
+  # (engines/mlx_gemv.py): products and raw decode steps with it off and on, its GPU tests, then the 7B
+  # shape through the server at 1 and 8 streams with it off (MESH_LLM_FUSED_GEMV=0) and on
+  mlx_env
+  timeout 240 python3 benchmarks/gpu_gemv.py --tokens "${TOKENS:-128}" 2>&1 | tee "$OUT/gemv.txt" || true
+  wait_model qwen2.5-0.5b
+  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 150 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/engines/test_mlx_gpu.py -k "decode_product or eight" 2>&1 | tail -12 || true
+  mkdir -p "$conc"
+  for flag in ${GEMV_FLAGS:-0 1}; do
+    MESH_LLM_FUSED_GEMV=$flag step=gemv-$flag run_conc qwen2.5-7b 1,8 mesh-mlx "${GEMV_BUDGET:-100}"
+  done
+  logs_to_out gemv-logs.tar.gz
   ;;
 conc-mlx)
   mlx_env
