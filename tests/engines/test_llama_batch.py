@@ -340,3 +340,41 @@ def test_every_kind_of_state_runs_batched(tmp_path, kind):
         assert engine.cache_stats()["kv_cells_used"] == 0
     finally:
         engine.close()
+
+
+def test_greedy_rows_take_the_token_llamas_greedy_sampler_takes(engine, prompts):
+    """Greedy rows are sampled by numpy's argmax instead of llama.cpp's greedy sampler (which copies
+    the whole row into its candidates first): the same token on every row of real decode steps,
+    and the first of tied maxima, as llama.cpp takes it."""
+    import llama_cpp.llama_cpp as ll
+
+    from mesh_llm.engines.llama_batch import Sampler
+
+    vocab = engine.tokenizer.vocab_size
+    ours = Sampler(SamplingParams(temperature=0), vocab, 0)
+    greedy = ll.llama_sampler_init_greedy()
+    try:
+        for seq, prompt in enumerate(prompts[:3]):
+            engine.add(seq, prompt, SamplingParams(temperature=0), 6)
+        checked = 0
+        for _ in range(40):
+            rows = len(engine.step(BUDGET))
+            ctx = engine._ctx  # noqa: SLF001 - the logits the engine just sampled from
+            batch = engine._batch  # noqa: SLF001
+            for i in np.flatnonzero(batch._logits[: batch.n]).tolist():  # noqa: SLF001 - rows with logits
+                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(vocab,))
+                if checked % 2:  # a tie for the maximum, later index first written
+                    top = int(row.argmax())
+                    row[max(0, top - 3)] = row[top]
+                assert ours.sample(ctx, i).token == ll.llama_sampler_sample(greedy, ctx, i)
+                checked += 1
+            if rows == 0 and not engine._slots:  # noqa: SLF001
+                break
+            if checked >= 12:
+                break
+        assert checked >= 12
+    finally:
+        for seq in range(3):
+            engine.remove(seq)
+        ll.llama_sampler_free(greedy)
+        ours.free()

@@ -83,9 +83,13 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int, fallback: int):
         self.params, self._n_vocab, self._fallback = params, n_vocab, fallback
-        self.chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        for sampler in _samplers(params):
-            ll.llama_sampler_chain_add(self.chain, sampler)  # the chain owns and frees them
+        self.chain = None  # greedy: numpy's argmax, the first maximum as llama.cpp's greedy sampler
+        # takes it, without copying the whole row into llama.cpp's candidates (0.16 ms a token at a
+        # 152k vocabulary, every sequence of every step)
+        if params.temperature > 0:
+            self.chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+            for sampler in _samplers(params):
+                ll.llama_sampler_chain_add(self.chain, sampler)  # the chain owns and frees them
 
     def sample(self, ctx: ll.llama_context_p, index: int) -> Step:
         pointer = ll.llama_get_logits_ith(ctx, index)
@@ -100,6 +104,8 @@ class Sampler:
             row[: len(allowed)][~allowed] = -np.inf
         if allowed is not None and not allowed.any():  # nothing allowed: the sequence ends here
             token = self._fallback
+        elif self.chain is None:
+            token = int(row.argmax())
         else:
             token = ll.llama_sampler_sample(self.chain, ctx, index)
         if constraint is not None:
@@ -126,8 +132,6 @@ class Sampler:
 
 
 def _samplers(params: SamplingParams) -> list:
-    if params.temperature <= 0:
-        return [ll.llama_sampler_init_greedy()]
     samplers = []
     if params.top_k > 0:
         samplers.append(ll.llama_sampler_init_top_k(params.top_k))
