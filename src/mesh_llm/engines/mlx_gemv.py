@@ -1,13 +1,18 @@
-"""Decode-time products of a few activation rows with a float weight matrix on CUDA, in one kernel.
+"""Decode-time products of a few activation rows with a small float weight matrix on CUDA, in one kernel.
 
-A decode step multiplies one row per sequence by every weight matrix, so it is bound by reading the
-weights. MLX 0.32's CUDA matrix-vector kernel (``gemv``, one row of 1 to 8 activations) issues one
-8-byte load per thread per loop turn, and larger batches go to cuBLAS. :func:`matmul_t` computes
-``x @ w.T`` for up to ``MAX_ROWS`` activation rows with 16-byte loads, four weight rows per warp
-sharing each activation load, several loads in flight per thread, float accumulation, and the bias
-added in the same pass. :func:`install` swaps a model's float ``nn.Linear`` layers (and a tied
-embedding's ``as_linear``) to it for calls with at most ``MAX_ROWS`` rows; every other call, and
-every quantized layer, keeps MLX's own product. ``MESH_LLM_FUSED_GEMV=0`` turns it off.
+A decode step of several sequences multiplies a few rows (one per sequence) by every weight matrix.
+MLX 0.32's CUDA backend has a matrix-vector kernel for one row and sends 2 rows and more to cuBLAS,
+whose products of a few rows with a small matrix cost nearly as much as with a large one (the 0.5B
+shape's 896x896 layer: 18-25 us for 2-8 rows, against 6.4 us for one). :func:`matmul_t` computes
+``x @ w.T`` for 2 to ``MAX_ROWS`` rows in one pass over the weights: 16-byte loads, four weight rows
+per warp sharing each activation load, float accumulation, the bias added in the same pass. It is
+used only where it measured faster on the H200 (``benchmarks/gpu_gemv.py``,
+``benchmarks/results/h200-gemv-20261203/``): weights of at most ``MAX_WEIGHT_BYTES``. One row stays
+on MLX's kernel, which leads there, and so do large matrices, where cuBLAS leads from 4 rows on (the
+7B shape's 18944x3584 layers: 84 against 155 us at 8 rows; a whole 7B step at 8 rows took 16-17 ms
+with the kernel on every layer against 8.5-8.9 ms without). :func:`install` swaps a model's float
+``nn.Linear`` layers (and a tied embedding's ``as_linear``) to it; every other call, and every
+quantized layer, keeps MLX's own product. ``MESH_LLM_FUSED_GEMV=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 8
+MAX_WEIGHT_BYTES = 16 * 2**20  # the 0.5B shape's layers (at most 8.7 MB) and the 7B shape's k/v (3.7 MB)
 _WARPS = 4  # warps per block
 _WROWS = 4  # weight rows per warp
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -25,7 +31,7 @@ _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _SOURCE = """
     constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load
     constexpr int CHUNKS = K / VEC;
-    const int rows = MAXM == 1 ? 1 : x_shape[0];
+    const int rows = x_shape[0];
     const int n_out = w_shape[0];
     const int lane = threadIdx.x & 31;
     const int first = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * WROWS;
@@ -117,9 +123,9 @@ def _kernel(has_bias: bool):
 def applies(x: mx.array, w: mx.array) -> bool:
     """Whether :func:`matmul_t` computes ``x @ w.T`` for these operands."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    vec = 16 // w.dtype.size
-    return (0 < rows <= MAX_ROWS and w.ndim == 2 and x.shape[-1] == w.shape[1]
-            and x.dtype == w.dtype and w.dtype in _DTYPES and w.shape[1] % vec == 0)
+    return (2 <= rows <= MAX_ROWS and w.ndim == 2 and w.nbytes <= MAX_WEIGHT_BYTES
+            and x.shape[-1] == w.shape[1] and x.dtype == w.dtype and w.dtype in _DTYPES
+            and w.shape[1] % (16 // w.dtype.size) == 0)
 
 
 def matmul_t(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
@@ -130,11 +136,10 @@ def matmul_t(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array
     rows, n = flat.shape[0], w.shape[0]
     inputs = [flat, w] if bias is None else [flat, w, bias if bias.dtype == x.dtype else bias.astype(x.dtype)]
     blocks = -(-n // (_WARPS * _WROWS))
-    key = (x.dtype, k, rows == 1)
+    key = (x.dtype, k)
     if (template := _templates.get(key)) is None:  # built once: a model makes hundreds of calls a step
-        # one row alone is the common case (a single stream): its own kernel, with no row loop
-        template = _templates[key] = [("T", x.dtype), ("K", k), ("MAXM", 1 if rows == 1 else MAX_ROWS),
-                                      ("WARPS", _WARPS), ("WROWS", _WROWS)]
+        template = _templates[key] = [("T", x.dtype), ("K", k), ("MAXM", MAX_ROWS), ("WARPS", _WARPS),
+                                      ("WROWS", _WROWS)]
     (out,) = _kernel(bias is not None)(
         inputs=inputs,
         template=template,
@@ -147,7 +152,7 @@ def matmul_t(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array
 
 
 class FastLinear(nn.Linear):
-    """An ``nn.Linear`` whose few-row calls use :func:`matmul_t`."""
+    """An ``nn.Linear`` whose calls of 2 to ``MAX_ROWS`` rows use :func:`matmul_t` where it applies."""
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self["weight"]
