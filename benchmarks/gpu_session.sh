@@ -295,16 +295,19 @@ together)  # prompt chunks read in one pass (MESH_LLM_PREFILL_TOGETHER=1, the GP
   done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx with SHAPES="qwen2.5-0.5b qwen2.5-7b": the decode product
-  # (engines/mlx_gemv.py): its GPU tests, raw decode steps with it off and on (once the models are
-  # written: the writing slows the host), then the 0.5B shape through the server at 1, 8 and 32
-  # streams with it off (MESH_LLM_FUSED_GEMV=0) and on. PRODUCTS=1 times every product alone too.
+  # (engines/mlx_gemv.py): its GPU tests, raw decode steps with it off and on, alternated (in-memory
+  # models), then, once no build or model writing is left, the 0.5B shape through the server at 1, 8
+  # and 32 streams with it off (MESH_LLM_FUSED_GEMV=0) and on. PRODUCTS=1 times every product alone too.
   mlx_env
   wait_model qwen2.5-0.5b
   MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 150 python3 -m pytest -q -s -p no:cacheprovider \
     tests/engines/test_mlx_gpu.py -k "decode_product or eight" 2>&1 | tail -12 || true
-  wait_model qwen2.5-7b
   timeout 240 python3 benchmarks/gpu_gemv.py --tokens "${TOKENS:-128}" $([ "${PRODUCTS:-0}" = 1 ] || echo --skip-products) \
     2>&1 | tee "$OUT/gemv.txt" || true
+  # the servers once the host is quiet: no llama.cpp build or model writing left (both slow MLX's host side)
+  while pgrep -f build-llama.sh > /dev/null || { [ -f "$models/synth.pid" ] && kill -0 "$(cat "$models/synth.pid")" 2>/dev/null; }; do
+    sleep 2
+  done
   mkdir -p "$conc"
   for flag in ${GEMV_FLAGS:-0 1}; do
     MESH_LLM_FUSED_GEMV=$flag step=gemv-$flag run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${GEMV_BUDGET:-150}"
