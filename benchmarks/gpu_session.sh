@@ -26,7 +26,7 @@
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
-#   (with SHAPES="qwen2.5-0.5b qwen2.5-7b" on stage-mlx)  bash benchmarks/gpu_session.sh gemv  # the decode product
+#                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
@@ -294,25 +294,10 @@ together)  # prompt chunks read in one pass (MESH_LLM_PREFILL_TOGETHER=1, the GP
       --rounds 2 --out "$OUT/rounds-together-$t.json" 2>&1 | grep "^| [0-9]" || true
   done
   ;;
-gemv)  # carry [".device/b"], after stage-mlx with SHAPES="qwen2.5-0.5b qwen2.5-7b": the decode product
-  # (engines/mlx_gemv.py): its GPU tests, raw decode steps with it off and on, alternated (in-memory
-  # models), then, once no build or model writing is left, the 0.5B shape through the server at 1, 8
-  # and 32 streams with it off (MESH_LLM_FUSED_GEMV=0) and on. PRODUCTS=1 times every product alone too.
+gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
+  # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)
   mlx_env
-  wait_model qwen2.5-0.5b
-  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 150 python3 -m pytest -q -s -p no:cacheprovider \
-    tests/engines/test_mlx_gpu.py -k "decode_product or eight" 2>&1 | tail -12 || true
-  timeout 240 python3 benchmarks/gpu_gemv.py --tokens "${TOKENS:-128}" $([ "${PRODUCTS:-0}" = 1 ] || echo --skip-products) \
-    2>&1 | tee "$OUT/gemv.txt" || true
-  # the servers once the host is quiet: no llama.cpp build or model writing left (both slow MLX's host side)
-  while pgrep -f build-llama.sh > /dev/null || { [ -f "$models/synth.pid" ] && kill -0 "$(cat "$models/synth.pid")" 2>/dev/null; }; do
-    sleep 2
-  done
-  mkdir -p "$conc"
-  for flag in ${GEMV_FLAGS:-0 1}; do
-    MESH_LLM_FUSED_GEMV=$flag step=gemv-$flag run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx "${GEMV_BUDGET:-150}"
-  done
-  logs_to_out gemv-logs.tar.gz
+  timeout 300 python3 benchmarks/gpu_gemv.py --tokens "${TOKENS:-128}" 2>&1 | tee "$OUT/gemv.txt" || true
   ;;
 conc-mlx)
   mlx_env

@@ -359,16 +359,16 @@ def test_greedy_rows_take_the_token_llamas_greedy_sampler_takes(engine, prompts)
         checked = 0
         for _ in range(40):
             rows = len(engine.step(BUDGET))
-            ctx = engine._ctx  # noqa: SLF001 - the logits the engine just sampled from
-            batch = engine._batch  # noqa: SLF001
-            for i in np.flatnonzero(batch._logits[: batch.n]).tolist():  # noqa: SLF001 - rows with logits
+            ctx = engine._ctx  # the logits the engine just sampled from
+            batch = engine._batch
+            for i in np.flatnonzero(batch._logits[: batch.n]).tolist():  # rows with logits
                 row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(vocab,))
-                if checked % 2:  # a tie for the maximum, later index first written
+                if checked % 2:  # a tie for the maximum: both must take the earlier of the two
                     top = int(row.argmax())
                     row[max(0, top - 3)] = row[top]
                 assert ours.sample(ctx, i).token == ll.llama_sampler_sample(greedy, ctx, i)
                 checked += 1
-            if rows == 0 and not engine._slots:  # noqa: SLF001
+            if rows == 0 and not engine._slots:
                 break
             if checked >= 12:
                 break

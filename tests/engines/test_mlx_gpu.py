@@ -179,36 +179,3 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
     assert mx.max(mx.abs(fused - reference)).item() <= tolerance
 
-
-@pytest.mark.parametrize("n,k,dtype,bias", [
-    (896, 896, "float16", True), (4864, 896, "bfloat16", False), (151, 4864, "float16", False),
-    (130, 200, "float32", True)])
-def test_the_decode_product_matches_a_float32_reference(n, k, dtype, bias):
-    """engines/mlx_gemv.py: ``x @ w.T + bias`` for 2 to 8 activation rows (and leading dims) against
-    the product in float32, within what MLX's own product of the same operands stays within; a view
-    at an odd offset takes its element-by-element path. One row, 9 rows and large weights are left to
-    MLX."""
-    import mlx.core as mx
-
-    from mesh_llm.engines.mlx_gemv import applies, matmul_t
-
-    if not mx.cuda.is_available():
-        pytest.skip("the kernel is CUDA's")
-    dt = getattr(mx, dtype)
-    w = (mx.random.normal((n, k), key=mx.random.key(1)) * k ** -0.5).astype(dt)
-    b = mx.random.normal((n,), key=mx.random.key(2)).astype(dt) if bias else None
-    for rows in (2, 3, 8):
-        x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(dt)
-        shifted = mx.concatenate([mx.zeros((1,), dt), x.reshape(-1)])[1:].reshape(x.shape)
-        reference = x.astype(mx.float32) @ w.astype(mx.float32).T + (0 if b is None else b.astype(mx.float32))
-        mlx_own = (x @ w.T + (0 if b is None else b)).astype(mx.float32)
-        own_error = mx.max(mx.abs(mlx_own - reference)).item()
-        for operand in (x, shifted):
-            assert applies(operand, w)
-            ours = matmul_t(operand, w, b)
-            assert ours.shape == (rows, 1, n) and ours.dtype == dt
-            error = mx.max(mx.abs(ours.astype(mx.float32) - reference)).item()
-            assert error <= max(2 * own_error, 1e-5), (rows, error, own_error)
-    assert not applies(mx.zeros((9, k), dt), w)
-    assert not applies(mx.zeros((1, k), dt), w)
-    assert not applies(mx.zeros((2, 4096), mx.float16), mx.zeros((2049, 4096), mx.float16))

@@ -35,7 +35,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mesh_llm.engines import mlx_attention, mlx_gemv
+from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.base import (
     Engine,
     EngineError,
@@ -143,8 +143,6 @@ class MLXEngine(Engine):
         details["blas"] = _BLAS
         if mlx_attention.install(model):
             details["decode_attention"] = "one fused kernel for batched rows"
-        if swapped := mlx_gemv.install(model):
-            details["decode_product"] = f"one kernel for {swapped} float layers at up to {mlx_gemv.MAX_ROWS} rows"
         if not on_gpu():
             details["threads"] = str(threads)
         if kernels:
