@@ -44,6 +44,8 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from gpu_mlx_step import pipelined_steps  # noqa: E402 - benchmarks/, the script's own folder
+
 
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
@@ -275,19 +277,7 @@ def decode(model, rows: int, tokens: int, prompt: int = 512) -> float:
     def forward(y):
         return mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
 
-    pending = forward(ids[:, -1])
-    mx.async_eval(pending)
-    times, last = [], time.perf_counter()
-    for _ in range(tokens):
-        nxt = forward(pending)
-        mx.async_eval(nxt)
-        pending.tolist()
-        pending = nxt
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    pending.tolist()
-    return statistics.median(times[4:])
+    return statistics.median(pipelined_steps(forward, ids[:, -1], tokens)[4:])
 
 
 def models(shapes: list[str], tokens: int, rounds: int) -> list[dict]:

@@ -38,6 +38,13 @@ def hand_loop(model, prompt: list[int], tokens: int) -> dict:
     def forward(y):
         return mx.argmax(model(y[:, None] if y.ndim == 1 else y, cache=cache)[:, -1, :], axis=-1)
 
+    times = pipelined_steps(forward, y, tokens)
+    return {"case": "hand loop (mlx-lm model, argmax, pipelined)", "step_ms": 1000 * statistics.median(times)}
+
+
+def pipelined_steps(forward, y, tokens: int) -> list[float]:
+    """Seconds between tokens of ``forward`` run ``tokens`` times, each step queued before the last
+    one's tokens are read (as the engine runs on a GPU)."""
     pending = forward(y)
     mx.async_eval(pending)
     times, last = [], time.perf_counter()
@@ -49,7 +56,8 @@ def hand_loop(model, prompt: list[int], tokens: int) -> dict:
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    return {"case": "hand loop (mlx-lm model, argmax, pipelined)", "step_ms": 1000 * statistics.median(times)}
+    pending.tolist()
+    return times
 
 
 def engine_steps(engine: MLXEngine, prompts: list[list[int]], tokens: int, label: str) -> dict:
