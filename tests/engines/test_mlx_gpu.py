@@ -178,4 +178,3 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=size ** -0.5, mask=mask).astype(mx.float32)
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
     assert mx.max(mx.abs(fused - reference)).item() <= tolerance
-
