@@ -26,6 +26,7 @@ pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineError, EngineOptions, NoCapacity, SamplingParams, Step
 from mesh_llm.engines.llama import LlamaEngine
+from mesh_llm.engines.llama_cache import RECOMPUTE
 from mesh_llm.runtime.chat import encode_chat
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
@@ -378,3 +379,26 @@ def test_greedy_rows_take_the_token_llamas_greedy_sampler_takes(engine, prompts)
             engine.remove(seq)
         ll.llama_sampler_free(greedy)
         ours.free()
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_on_a_gpu_an_ending_sequence_stores_only_its_prompt(default_gguf, prompts, gpu):
+    """Two sequences decoded side by side hold their generated tokens one cell apart, which
+    llama.cpp copies out of a GPU one cell at a time: there, only the prompt is stored (the next
+    turn recomputes the answer); on a CPU the whole exact part is. Checked by what a follow-up
+    turn (prompt + answer + more) reuses."""
+    engine = LlamaEngine.load(default_gguf, dataclasses.replace(OPTIONS, cache_bytes=1 << 30))
+    try:
+        if gpu:
+            engine._gpu_layers = 1  # the rule keys on layers offloaded; this CPU has none
+        work = {0: (prompts[0], SamplingParams(temperature=0), 12, 0),
+                1: (prompts[1], SamplingParams(temperature=0), 12, 0)}
+        answer = [s.token for s in drive(engine, work)[0]]
+        follow = [*prompts[0], *answer[:-1], *prompts[1][-4:]]
+        reused = solo(engine, follow, SamplingParams(temperature=0), 1)[0].cached_tokens
+    finally:
+        engine.close()
+    if gpu:
+        assert len(prompts[0]) - RECOMPUTE <= reused <= len(prompts[0]), reused
+    else:
+        assert reused > len(prompts[0]), reused

@@ -410,8 +410,11 @@ class LlamaEngine(Engine):
 
     def _store(self, slot: Slot) -> None:
         """Offer an ending sequence's state to the prompt cache: the tokens computed in passes of two
-        rows or more (a state that cannot be cut back: only when that is all of it)."""
-        keep = slot.exact
+        rows or more (a state that cannot be cut back: only when that is all of it). On a GPU only
+        its prompt: llama.cpp copies a state out one run of cells per layer at a time, and a sequence
+        decoded beside others holds its generated tokens one cell apart (a copy from the device each),
+        so 256 generated tokens made ~12,000 copies; an answer is recomputed in milliseconds there."""
+        keep = slot.exact if not self._gpu_layers else min(slot.exact, len(slot.prompt))
         if not keep or (self._checkpoints and keep < len(slot.held)):
             return
         if keep < len(slot.held):

@@ -352,13 +352,13 @@ class ModelWorker:
 
     def _finish(self, seq: int, finish: str, now: float) -> None:
         s = self._active.pop(seq)
+        usage = s.usage(now)
+        if finish != "cancelled":  # first: the client's answer does not wait for the engine's cleanup
+            self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage))
         try:
             self._engine.remove(seq)
         except Exception:  # the sequence is over either way
             log.exception("%s: remove failed", self.name)
-        usage = s.usage(now)
-        if finish != "cancelled":
-            self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage))
         elapsed = now - s.job.submitted
         self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * elapsed / max(1, self._engine.max_batch)
         log.info("%s prompt=%d cached=%d completion=%d ttft=%.3fs decode=%.1f tok/s finish=%s",
