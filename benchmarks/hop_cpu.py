@@ -3,53 +3,34 @@
     .venv/bin/python benchmarks/hop_cpu.py GGUF [--seconds 12] [--threads 1]
 
 Starts a serving node on GGUF (``--alias bench``) and an API-only node joined to it (``--client``),
-then streams chat completions of 400 tokens (EOS ignored), back to back for ``--seconds``, first
-straight to the serving node, then through the other one: tokens a second, and each process's CPU
-time (user + system, from /proc) per token. A tiny GGUF (``tests/tiny_gguf.py``) makes the server's
-own per-token work show; the figures in README's "API" came from it with one llama.cpp thread.
+as ``benchmarks/mesh.py`` does, then streams chat completions of 400 tokens (EOS ignored), back to
+back for ``--seconds``, first straight to the serving node, then through the other one: tokens a
+second, and each process's CPU time per token. A tiny GGUF (``tests/tiny_gguf.py``) makes the
+server's own per-token work show; the figures in README's "API" came from it with one llama.cpp
+thread.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import signal
-import subprocess
-import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
+from mesh import cpu_seconds, node, stream  # noqa: E402 - benchmarks/, the script's own folder
 
-MESH_LLM = str(Path(sys.executable).with_name("mesh-llm"))
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from mesh_llm.bench.backends import Server, Settings
 
 
-def wait_for(check, what: str, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{what} did not come up")
-
-
-def stream_for(url: str, seconds: float) -> int:
+def stream_for(server: Server, seconds: float) -> int:
     """Streams back to back until ``seconds`` have passed; the tokens received."""
-    body = {"model": "bench", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True,
+    body = {"model": "bench", "max_tokens": 400, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a story."}]}
     until, tokens = time.perf_counter() + seconds, 0
     while time.perf_counter() < until:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as reply:
-            tokens += sum(1 for line in reply.iter_lines() if line.startswith("data:") and "content" in line)
+        tokens += stream(server, body)["completion_tokens"]
     return tokens
 
 
@@ -58,36 +39,21 @@ def main() -> None:
     parser.add_argument("gguf")
     parser.add_argument("--seconds", type=float, default=12)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--port", type=int, default=9501)
     args = parser.parse_args()
-    token = secrets.token_hex(16)
-    serving_url, entry_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
-    procs = []
-    try:
-        serving = subprocess.Popen([MESH_LLM, "serve", "-m", args.gguf, "--alias", "bench", "--port", str(args.port),
-                                    "--threads", str(args.threads), "--node-name", "serving", "--mesh-token", token],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(serving)
-        wait_for(lambda: httpx.get(serving_url + "/health").status_code == 200, "the serving node")
-        entry = subprocess.Popen([MESH_LLM, "serve", "--client", "--join", serving_url, "--port", str(args.port + 1),
-                                  "--node-name", "entry", "--mesh-token", token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(entry)
-        wait_for(lambda: any(m["id"] == "bench" for m in httpx.get(entry_url + "/v1/models").json()["data"]),
-                 "the API-only node")
-        stream_for(entry_url, 2)  # warm: caches, connections
-        for label, url in (("direct", serving_url), ("one hop", entry_url)):
-            cpu = (cpu_seconds(serving.pid), cpu_seconds(entry.pid))
+    settings = Settings(threads=args.threads, ctx_size=2048, startup_timeout=600)
+    token, logs = secrets.token_urlsafe(24), Path(tempfile.mkdtemp(prefix="hop-cpu-"))
+    with ExitStack() as stack:
+        serving = node(stack, settings, logs, token, "serving", ["-m", args.gguf, "--alias", "bench"])
+        entry = node(stack, settings, logs, token, "entry", ["--client", "--join", serving.url], "bench")
+        stream_for(entry, 2)  # warm: caches, connections
+        for label, server in (("direct", serving), ("one hop", entry)):
+            cpu = (cpu_seconds(serving), cpu_seconds(entry))
             start = time.perf_counter()
-            tokens = stream_for(url, args.seconds)
+            tokens = stream_for(server, args.seconds)
             elapsed = time.perf_counter() - start
-            used = (cpu_seconds(serving.pid) - cpu[0], cpu_seconds(entry.pid) - cpu[1])
-            print(f"{label:8} {tokens / elapsed:7.0f} tokens/s; CPU a token: serving node {1e6 * used[0] / tokens:5.0f} µs, "
-                  f"API-only node {1e6 * used[1] / tokens:4.0f} µs")
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            proc.wait(30)
+            used = (cpu_seconds(serving) - cpu[0], cpu_seconds(entry) - cpu[1])
+            print(f"{label:8} {tokens / elapsed:7.0f} tokens/s; CPU a token: serving node "
+                  f"{1e6 * used[0] / tokens:5.0f} µs, API-only node {1e6 * used[1] / tokens:4.0f} µs")
 
 
 if __name__ == "__main__":
