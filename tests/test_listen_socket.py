@@ -49,8 +49,8 @@ def test_connections_accepted_on_the_serving_socket_have_nagle_off(loop):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
 def test_uvicorn_serves_with_its_c_event_loop_and_http_parser():
-    """uvloop and httptools (declared dependencies) are what uvicorn picks: a third less CPU for
-    every streamed token than asyncio's loop and h11 (README, "The mesh")."""
+    """uvloop and httptools (declared dependencies) are what uvicorn picks, not asyncio's loop and
+    the pure-Python h11 it fell back to."""
     config = Config(lambda scope, receive, send: None)
     config.load()
     assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
