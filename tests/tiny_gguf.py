@@ -17,7 +17,7 @@ VOCAB = 320
 EMBD, FF, HEADS, KV_HEADS, LAYERS, CONTEXT = 64, 128, 4, 2, 4, 512
 
 
-def write_tiny_gguf(path: Path, kind: str, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, kind: str, seed: int = 0, chat_template: str | None = None) -> Path:
     """A random-weight GGUF of ``kind``; gemma2's sliding window is 8 tokens."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), kind)
@@ -109,6 +109,8 @@ def write_tiny_gguf(path: Path, kind: str, seed: int = 0) -> Path:
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     pieces += [f"\u2581w{i}" for i in range(VOCAB - len(pieces))]
     w.add_tokenizer_model("llama")
+    if chat_template:
+        w.add_chat_template(chat_template)
     w.add_token_list(pieces)
     w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(VOCAB - 259)])
     w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (VOCAB - 259))
