@@ -19,6 +19,7 @@
 #   4. carry []                 bash benchmarks/gpu_session.sh conc-mlx-lm   # mlx_lm.server (at most 6 min)
 #   5. carry []                 bash benchmarks/gpu_session.sh conc-llama    # llama-server, mesh-llama, merged
 #                                                                            # report and table (at most 8 min)
+#      (alone, after 1 with no MLX step: carry [".device/elf", ".device/b/extra"], the server stack)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
@@ -71,6 +72,12 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   for _ in $(seq 1 90); do [ -x /tmp/llama-cuda/bin/llama-server ] && break; sleep 5; done
   [ -x /tmp/llama-cuda/bin/llama-server ] || { echo "no llama-server yet:"; tail -20 /tmp/llama-build.log; exit 1; }
   tail -3 /tmp/llama-build.log
+  # the server stack and pyelftools, where no MLX step has installed them: carry [".device/elf",
+  # ".device/b/extra"] (without pyelftools the CUDA library's load order cannot be checked)
+  local wheels=()
+  [ -d /tmp/site/uvicorn ] || wheels+=(.device/b/extra/*.whl)
+  [ -d /tmp/site/elftools ] || wheels+=(.device/elf/pyelftools-*.whl)
+  [ ${#wheels[@]} = 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
   export PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
     LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
 }

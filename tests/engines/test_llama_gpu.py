@@ -50,3 +50,32 @@ def test_loads_and_generates_on_the_gpu_or_says_why_whatever_was_imported_first(
         return
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     print(done.stdout.strip().splitlines()[-1])
+
+
+PASS_SCRIPT = textwrap.dedent("""
+    import sys
+    import mesh_llm
+    from mesh_llm.engines.base import GPU_PREFILL_CHUNKS, EngineOptions, SamplingParams
+    from mesh_llm.engines.llama import LlamaEngine
+    step = 128
+    engine = LlamaEngine.load(sys.argv[1], EngineOptions(ctx_size=1024, max_batch=8, prefill_step=step,
+                                                         cache_bytes=0))
+    n = GPU_PREFILL_CHUNKS
+    for seq in range(n):  # prompts of a chunk and a half: a chunk of each, then the halves
+        engine.add(seq, [100 + seq + i for i in range(step + step // 2)], SamplingParams(temperature=0.0), 4)
+    steps = 0
+    started = set()
+    while len(started) < n:
+        started |= {seq for seq, _ in engine.step(n * step)}
+        steps += 1
+    print("passes until every first token:", steps)
+    assert steps == 2, steps
+""")
+
+
+def test_on_the_gpu_one_pass_reads_a_chunk_of_several_newcomers_prompts(gguf):
+    """The worker gives a GPU step GPU_PREFILL_CHUNKS chunks of prompt; the llama engine's pass must
+    hold them all (with one chunk a pass, four prompts of a chunk and a half took five passes)."""
+    done = subprocess.run([sys.executable, "-c", PASS_SCRIPT, gguf], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    print(done.stdout.strip().splitlines()[-1])

@@ -37,6 +37,12 @@ class NoCapacity(Exception):
     that holds no sequence raises :class:`EngineError` instead for one that will never fit."""
 
 
+# On a GPU, prompt chunks (``EngineOptions.prefill_step`` tokens each) one step reads while other
+# sequences decode (2,048 tokens by default, as llama-server's n_batch): a pass over several
+# newcomers' chunks costs little more than over one
+GPU_PREFILL_CHUNKS = 4
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How to load a model; every field has a default that suits the machine it runs on."""

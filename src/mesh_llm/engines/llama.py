@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 from mesh_llm.engines import llama_cache
 from mesh_llm.engines.base import (
+    GPU_PREFILL_CHUNKS,
     Engine,
     EngineError,
     EngineInfo,
@@ -155,7 +156,11 @@ class LlamaEngine(Engine):
         max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch)
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
-        capacity = max(step + max_batch, n_seq_max)  # llama.cpp asserts n_batch >= n_seq_max
+        # one pass holds every decoding row and a step's prompt chunks: one chunk on a CPU, several
+        # on a GPU, where the worker's budget is GPU_PREFILL_CHUNKS of them (32 newcomers' 640-token
+        # prompts then take a quarter of the passes); llama.cpp asserts n_batch >= n_seq_max
+        chunks = GPU_PREFILL_CHUNKS if gpu else 1
+        capacity = max(chunks * step + max_batch, n_seq_max)
         cparams = ll.llama_context_default_params()
         cparams.n_ctx, cparams.n_seq_max = max(pool, capacity), n_seq_max
         cparams.n_batch = cparams.n_ubatch = capacity

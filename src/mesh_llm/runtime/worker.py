@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from mesh_llm.engines.base import (
+    GPU_PREFILL_CHUNKS,
     Engine,
     EngineError,
     EngineInfo,
@@ -39,9 +40,6 @@ log = logging.getLogger("mesh_llm.worker")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
-# On a GPU, prompt chunks per step while other sequences decode (2,048 tokens by default, as
-# llama-server's n_batch): a pass over several newcomers' chunks costs little more than over one
-GPU_PREFILL_CHUNKS = 4
 SLOW_STEP_S = 1.0  # an engine step longer than this is logged: every stream stood still that long
 # MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
 # (faulthandler), to find what a stall waits on
