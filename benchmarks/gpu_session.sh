@@ -78,13 +78,13 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   [ -d /tmp/site/uvicorn ] || wheels+=(.device/b/extra/*.whl)
   [ -d /tmp/site/elftools ] || wheels+=(.device/elf/pyelftools-*.whl)
   [ ${#wheels[@]} = 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
-  export PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
+  export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
     LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
 }
 
 mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b)
   source .device/b/install-mlx.sh
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
 }
 
 run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency` run, stopped at its budget
@@ -319,7 +319,7 @@ conc-mlx)
   logs_to_out conc-mlx-logs.tar.gz
   ;;
 conc-mlx-lm)
-  export PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
   mkdir -p "$conc"
   run_conc qwen2.5-0.5b 1,8,32 mlx-lm 150
   run_conc qwen2.5-7b 1,8 mlx-lm 150
