@@ -18,19 +18,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` where neither MLX nor llama.cpp has a GPU (they run via the device tool)."""
-    if not any(item.get_closest_marker("gpu") for item in items) or _has_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs a GPU (MLX on CUDA/Metal); run on the GPU machine")
+    """Skip tests marked ``gpu`` where their engine has no GPU (they run via the device tool):
+    ``gpu`` needs MLX on CUDA or Metal, ``gpu("llama")`` a llama.cpp built with GPU offload. The GPU
+    machine may have either without the other."""
+    wanted = {_gpu_engine(item) for item in items if item.get_closest_marker("gpu")}
+    missing = {engine for engine in wanted if not _has_gpu(engine)}
     for item in items:
-        if item.get_closest_marker("gpu"):
-            item.add_marker(skip)
+        if item.get_closest_marker("gpu") and (engine := _gpu_engine(item)) in missing:
+            item.add_marker(pytest.mark.skip(reason=f"needs a GPU for {engine}; run on the GPU machine"))
 
 
-def _has_gpu() -> bool:
-    probe = "import mlx.core as mx; print(mx.default_device() == mx.gpu)"
+def _gpu_engine(item) -> str:
+    marker = item.get_closest_marker("gpu")
+    return marker.args[0] if marker.args else "mlx"
+
+
+GPU_PROBES = {
+    "mlx": "import mlx.core as mx; print(mx.default_device() == mx.gpu)",
+    # mesh_llm first: it loads a CUDA llama.cpp before anything else that links libstdc++
+    "llama": "import mesh_llm, llama_cpp.llama_cpp as ll; print(bool(ll.llama_supports_gpu_offload()))",
+}
+
+
+def _has_gpu(engine: str) -> bool:
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", GPU_PROBES[engine]], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.stdout.strip() == "True"

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu("llama")
 
 GGUF = os.environ.get("MESH_LLM_GPU_GGUF")
 
