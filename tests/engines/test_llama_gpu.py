@@ -2,7 +2,7 @@
 crashes the process whatever was imported first. A CUDA build that carries its own libstdc++ crashed
 at model load when numpy came first (issue 9, mesh_llm/native.py): importing mesh_llm first loads it
 first, and after numpy the engine refuses with the reason; a build that keeps libstdc++ to itself
-generates in every order. Runs on the GPU machine with a CUDA llama.cpp (``LLAMA_CPP_LIB_PATH``) and
+generates in every order; and one pass reads several newcomers' prompt chunks. Runs on the GPU machine with a CUDA llama.cpp (``LLAMA_CPP_LIB_PATH``) and
 ``MESH_LLM_GPU_GGUF`` naming a model; skipped elsewhere."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ PASS_SCRIPT = textwrap.dedent("""
 
 def test_on_the_gpu_one_pass_reads_a_chunk_of_several_newcomers_prompts(gguf):
     """The worker gives a GPU step GPU_PREFILL_CHUNKS chunks of prompt; the llama engine's pass must
-    hold them all (with one chunk a pass, four prompts of a chunk and a half took five passes)."""
+    hold them all (on a CPU, where a pass holds one chunk, the same script takes seven passes)."""
     done = subprocess.run([sys.executable, "-c", PASS_SCRIPT, gguf], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     print(done.stdout.strip().splitlines()[-1])

@@ -158,7 +158,7 @@ class LlamaEngine(Engine):
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
         # one pass holds every decoding row and a step's prompt chunks: one chunk on a CPU, several
         # on a GPU, where the worker's budget is GPU_PREFILL_CHUNKS of them (32 newcomers' 640-token
-        # prompts then take a quarter of the passes); llama.cpp asserts n_batch >= n_seq_max
+        # prompts then take about a quarter of the passes); llama.cpp asserts n_batch >= n_seq_max
         chunks = GPU_PREFILL_CHUNKS if gpu else 1
         capacity = max(chunks * step + max_batch, n_seq_max)
         cparams = ll.llama_context_default_params()
