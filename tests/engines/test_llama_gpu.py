@@ -2,8 +2,9 @@
 crashes the process whatever was imported first. A CUDA build that carries its own libstdc++ crashed
 at model load when numpy came first (issue 9, mesh_llm/native.py): importing mesh_llm first loads it
 first, and after numpy the engine refuses with the reason; a build that keeps libstdc++ to itself
-generates in every order; and one pass reads several newcomers' prompt chunks. Runs on the GPU machine with a CUDA llama.cpp (``LLAMA_CPP_LIB_PATH``) and
-``MESH_LLM_GPU_GGUF`` naming a model; skipped elsewhere."""
+generates in every order. And one pass reads several newcomers' prompt chunks. Runs on the GPU
+machine with a CUDA llama.cpp (``LLAMA_CPP_LIB_PATH``) and ``MESH_LLM_GPU_GGUF`` naming a model;
+skipped elsewhere."""
 
 from __future__ import annotations
 
