@@ -92,9 +92,18 @@ run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency
   local budget=$(( $4 * ${CONC_BUDGET_SCALE:-1} ))
   wait_model "$shape"
   echo "== $shape, $backends, streams $levels (at most $budget s)"
-  timeout -s INT -k 30 "$budget" python3 -m mesh_llm bench --concurrency "$levels" --model-pair "$(pair "$shape")" \
-    --backends "$backends" --runs "${RUNS:-3}" --warmup "${WARMUP:-1}" --max-tokens "${MAX_TOKENS:-256}" \
-    --ctx-size 2048 --out "$out" ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} > "$out.log" 2>&1 || true
+  # 2026-12-03: twice the first bench of a fresh machine died of SIGSEGV before writing a line, and
+  # the same command then ran; its log (with faulthandler's trace) is kept as .crash.log, run again
+  local rc
+  for attempt in 1 2; do
+    rc=0
+    timeout -s INT -k 30 "$budget" python3 -m mesh_llm bench --concurrency "$levels" --model-pair "$(pair "$shape")" \
+      --backends "$backends" --runs "${RUNS:-3}" --warmup "${WARMUP:-1}" --max-tokens "${MAX_TOKENS:-256}" \
+      --ctx-size 2048 --out "$out" ${LLAMA_SERVER:+--llama-server "$LLAMA_SERVER"} > "$out.log" 2>&1 || rc=$?
+    [ "$rc" = 139 ] && [ "$attempt" = 1 ] || break
+    echo "the bench died of SIGSEGV (log: $out.crash.log):"; tail -20 "$out.log"
+    mv "$out.log" "$out.crash.log"; cp "$out.crash.log" "$OUT/$shape-$step.crash.log"; rm -rf "$out"
+  done
   grep -E 'error|interrupted|Traceback' "$out.log" | tail -5 || true
   sed -n '/concurrency: medians per level/,$p' "$out.log"
   if [ "$step" != conc-llama ] && [ -f "$out/results.jsonl" ]; then  # conc-llama merges them all below
