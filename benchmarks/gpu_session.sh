@@ -11,6 +11,8 @@
 # then either the single-stream matrix, GPU tests and prompt cache:
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx     # GPU tests, MLX runs
 #   4. carry []                 bash benchmarks/gpu_session.sh llama   # llama-server and mesh-llm llama
+# or what the llama engine's one KV pool costs a GPU's batched decode (issue 10, about 2 minutes):
+#   2. carry [".device/elf", ".device/b/extra"]  bash benchmarks/gpu_session.sh kv-unified
 # or the engines' own GPU checks (issues 9, 10):
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx-gpu    # MLX GPU tests, raw batched decode
 #   4. carry []                 bash benchmarks/gpu_session.sh llama-gpu  # CUDA load crash, GPU tests, raw batch
@@ -200,6 +202,18 @@ llama-gpu)  # issue 9: the CUDA load crash, variant by variant; the engine's GPU
     tests/engines/test_llama_gpu.py 2>&1 | tee "$OUT/llama-gpu-tests.log" | tail -25 || true
   timeout 150 python3 benchmarks/engines.py --engine llama --gguf "$models/qwen2.5-0.5b.gguf" --batch 1,8,32 \
     --prompt-tokens 640 --decode-tokens 256 --runs 2 --out "$OUT/engines-batch-llama-0.5b.json" 2>&1 | tail -8 || true
+  ;;
+kv-unified)  # carry [".device/elf", ".device/b/extra"], after build: what the llama engine's one KV pool
+  # costs a batched decode step against a stream of cells per sequence (benchmarks/llama_kv_unified.py)
+  llama_env
+  wait_model qwen2.5-0.5b
+  for rows in 8 32; do
+    timeout 200 python3 benchmarks/llama_kv_unified.py "$models/qwen2.5-0.5b.gguf" --rows $rows \
+      --context 900,2048 2>&1 | grep -E 'rows|rror' || true
+  done
+  wait_model qwen2.5-7b
+  timeout 200 python3 benchmarks/llama_kv_unified.py "$models/qwen2.5-7b.gguf" --rows 8 --context 900,2048 \
+    2>&1 | grep -E 'rows|rror' || true
   ;;
 mlx-warm)  # issue 11: first request against warm, with and without the on-disk kernel cache and the
   # warm-up; quantize quality on the embedded model (GPU tests) and speed (7B, raw batched decode)

@@ -19,6 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
+import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before numpy, mesh_llm/native.py)
 import llama_cpp.llama_cpp as ll
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before numpy, mesh_llm/native.py)
 import llama_cpp.llama_cpp as ll
 import numpy as np
 
