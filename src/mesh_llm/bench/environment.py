@@ -10,26 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mesh_llm.machine import physical_cores
+
 _PACKAGES = ["mesh-llm", "mlx", "mlx-cpu", "mlx-cuda-13", "mlx-metal", "mlx-lm", "llama_cpp_python", "tokenizers"]
-
-
-def physical_cores() -> int:
-    """Physical cores this process may use: every backend gets this many threads by default."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        cores, cpu = set(), {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
-            key, _, value = line.partition(":")
-            if line.strip():
-                cpu[key.strip()] = value.strip()
-            elif "core id" in cpu:
-                cores.add((cpu.get("physical id"), cpu["core id"]))
-                cpu = {}
-        if cores:
-            return max(1, min(len(cores), allowed))
-    except OSError:
-        pass
-    return max(1, allowed)
 
 
 def describe(llama_server: Path | None) -> dict:

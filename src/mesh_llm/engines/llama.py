@@ -52,10 +52,10 @@ from mesh_llm.engines.llama_native import (
     backend_name,
     gpu_free_memory,
     kv_cell_bytes,
-    physical_cores,
 )
 from mesh_llm.engines.llama_tokenizer import LlamaTokenizer
 from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
+from mesh_llm.machine import physical_cores
 
 log = logging.getLogger(__name__)
 

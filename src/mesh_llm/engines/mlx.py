@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import physical_cores, prepare_mlx, set_blas_threads
+from mesh_llm.engines.mlx_blas import prepare_mlx, set_blas_threads
 
 _BLAS = prepare_mlx()  # must run before mlx and mlx-lm are first imported in the process
 
@@ -52,6 +52,7 @@ from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_che
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
 from mesh_llm.engines.prompt_cache import PromptCache, default_cache_bytes
+from mesh_llm.machine import physical_cores
 
 log = logging.getLogger(__name__)
 

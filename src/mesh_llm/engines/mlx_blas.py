@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mesh_llm.machine import physical_cores
+
 log = logging.getLogger(__name__)
 
 _SLOW = "MLX will multiply with its bundled reference BLAS, ~35x slower on CPU"
@@ -108,26 +110,6 @@ def set_blas_threads(threads: int | None = None) -> None:
     """Run OpenBLAS on ``threads`` threads (default: the physical cores); a no-op without it."""
     if _openblas is not None:
         _openblas.openblas_set_num_threads(int(threads or physical_cores()))
-
-
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyper-threads share one core's FMA units)."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        cores, cpu = set(), {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
-            key, _, value = line.partition(":")
-            if not line.strip():
-                if "core id" in cpu:
-                    cores.add((cpu.get("physical id"), cpu["core id"]))
-                cpu = {}
-            else:
-                cpu[key.strip()] = value.strip()
-        if cores:
-            return max(1, min(len(cores), allowed or 1))
-    except OSError:
-        pass
-    return max(1, allowed or 1)
 
 
 def cpu_flags() -> set[str]:
