@@ -19,6 +19,8 @@ import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before nu
 import llama_cpp.llama_cpp as ll
 import numpy as np
 
+from mesh_llm.engines.llama_batch import Batch
+from mesh_llm.engines.llama_cache import set_cache_params
 from mesh_llm.machine import physical_cores
 from mesh_llm.models.default import default_gguf
 
@@ -27,43 +29,34 @@ STEPS = 40
 
 def median_step(model, rows: int, context: int, unified: bool, threads: int) -> float:
     cp = ll.llama_context_default_params()
+    set_cache_params(cp, gpu=bool(ll.llama_supports_gpu_offload()), deterministic=False)  # the engine's cells
     cp.n_ctx, cp.n_seq_max, cp.kv_unified = rows * (context + STEPS + 64), rows, unified
     cp.n_batch = cp.n_ubatch = max(context, rows)
     cp.n_threads = cp.n_threads_batch = threads
-    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    cp.type_k = cp.type_v = 1  # GGML_TYPE_F16, the engine's cells
     ctx = ll.llama_init_from_model(model, cp)
-    batch = ll.llama_batch_init(max(context, rows), 0, 1)
+    batch = Batch(max(context, rows))
     rng = np.random.default_rng(0)
     n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
 
-    def decode(entries: list[tuple[int, int, int]]) -> None:
-        batch.n_tokens = len(entries)
-        for i, (token, pos, seq) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, 1 if rows > 1 or i == len(entries) - 1 else 0
-        if ll.llama_decode(ctx, batch) != 0:
+    def decode() -> None:
+        if ll.llama_decode(ctx, batch.ready()) != 0:
             raise SystemExit("llama_decode failed")
         ll.llama_synchronize(ctx)
+        batch.clear()
 
     try:
         for seq in range(rows):
-            prompt = rng.integers(10, n_vocab - 10, context)
-            batch.n_tokens = context
-            for pos, token in enumerate(prompt):
-                batch.token[pos], batch.pos[pos], batch.n_seq_id[pos] = int(token), pos, 1
-                batch.seq_id[pos][0], batch.logits[pos] = seq, 0
-            batch.logits[context - 1] = 1
-            if ll.llama_decode(ctx, batch) != 0:
-                raise SystemExit("llama_decode failed on a prompt")
+            batch.add(seq, rng.integers(10, n_vocab - 10, context), 0, True)
+            decode()
         times = []
         for step in range(STEPS):
             start = time.perf_counter()
-            decode([(int(rng.integers(10, n_vocab - 10)), context + step, seq) for seq in range(rows)])
+            for seq in range(rows):
+                batch.add(seq, [int(rng.integers(10, n_vocab - 10))], context + step, True)
+            decode()
             times.append(time.perf_counter() - start)
         return float(np.median(times[5:]))
     finally:
-        ll.llama_batch_free(batch)
         ll.llama_free(ctx)
 
 
