@@ -82,6 +82,10 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   [ ${#wheels[@]} = 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}"
   export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site:$(ls -d /tmp/llama-src/llama_cpp_python-*) \
     LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
+  # matplotlib builds its font cache on a fresh machine's first import, and its C++ font code died
+  # there (SIGSEGV in FontManager.addfont) inside a bench that had loaded llama.cpp's CUDA library
+  # first: build the cache in a process of its own
+  python3 -c "import matplotlib.font_manager" || true
 }
 
 mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b)
@@ -214,6 +218,38 @@ kv-unified)  # carry [".device/elf", ".device/b/extra"], after build: what the l
   wait_model qwen2.5-7b
   timeout 200 python3 benchmarks/llama_kv_unified.py "$models/qwen2.5-7b.gguf" --rows 8 --context 900,2048 \
     2>&1 | grep -E 'rows|rror' || true
+  ;;
+llama-profile)  # carry [".device/elf", ".device/b/extra"], after build: where a batched llama step's time
+  # goes (issue 10): the one-pool cost, the raw engine's steps, and rounds through the scheduler
+  # sampled by py-spy (.device/elf/py-spy; collapsed stacks to $OUT for flamegraph.pl or speedscope)
+  llama_env
+  for shape_rows in qwen2.5-0.5b:32 qwen2.5-7b:8; do
+    shape=${shape_rows%:*} rows=${shape_rows#*:}
+    wait_model "$shape"
+    timeout 150 python3 benchmarks/llama_kv_unified.py "$models/$shape.gguf" --rows "$rows" --context 900 \
+      2>&1 | grep -E 'rows|rror' || true
+    timeout 150 python3 benchmarks/engines.py --engine llama --gguf "$models/$shape.gguf" --batch "1,$rows" \
+      --prompt-tokens 640 --decode-tokens 128 --runs 1 2>&1 | tail -6 || true
+    timeout 200 .device/elf/py-spy record -r 250 -f raw -o "$OUT/$shape-rounds.txt" -- \
+      python3 benchmarks/scheduler_rounds.py "$models/$shape.gguf" --engine llama --streams "$rows" \
+      --rounds 3 --prompt 640 --tokens 256 2>&1 | grep -E '^\|' || true
+  done
+  ;;
+streams)  # carry [".device/elf", ".device/b/extra"], after build: the llama engine's stream per sequence
+  # (the GPU default) against one pool, through the scheduler in one call; its GPU tests
+  llama_env
+  wait_model qwen2.5-0.5b
+  MESH_LLM_GPU_GGUF=$models/qwen2.5-0.5b.gguf timeout 200 python3 -m pytest -q -s -p no:cacheprovider \
+    tests/engines/test_llama_gpu.py -k "stream or pass" 2>&1 | tee "$OUT/llama-gpu-tests.log" | tail -6 || true
+  for shape_rows in qwen2.5-0.5b:32 qwen2.5-7b:8; do
+    shape=${shape_rows%:*} rows=${shape_rows#*:}
+    wait_model "$shape"
+    for streams in 1 0 1 0; do
+      echo "== $shape, $rows streams, MESH_LLM_KV_STREAMS=$streams"
+      MESH_LLM_KV_STREAMS=$streams timeout 150 python3 benchmarks/scheduler_rounds.py "$models/$shape.gguf" \
+        --engine llama --streams "$rows" --rounds 2 --prompt 640 --tokens 256 2>&1 | grep -E '^\||kv_cells' || true
+    done
+  done
   ;;
 mlx-warm)  # issue 11: first request against warm, with and without the on-disk kernel cache and the
   # warm-up; quantize quality on the embedded model (GPU tests) and speed (7B, raw batched decode)

@@ -203,6 +203,36 @@ def test_removing_sequences_mid_prefill_and_mid_decode_leaves_the_others_unchang
     assert engine.cache_stats()["kv_cells_used"] == 0
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "sharing"])
+def test_with_a_stream_of_cells_per_sequence_each_is_still_bit_for_bit_what_it_is_alone(
+        default_gguf, prompts, alone, cache):
+    """The GPU's layout (``kv_unified`` off: a stream of cells per sequence id), run on this CPU. As
+    the eight sequences end at different steps (and 3 leaves mid-prefill, 0 mid-decode), running
+    ones move into the ids they leave, so that the ids stay consecutive (llama.cpp splits a pass at
+    every gap), each move a copy of a stream at the next decode; with the prompt cache on, newcomers
+    also copy a running sequence's stream to reuse its prefix. Nobody's output changes."""
+    options = dataclasses.replace(OPTIONS, cache_bytes=(1 << 30) if cache else 0)
+    engine = LlamaEngine.load(default_gguf, options, streams=True)
+    try:
+        assert "a stream for each of 16 sequences" in engine.info().details["kv_cells"]
+        work = {i: (prompts[i], SPECS[i][1], SPECS[i][2], SPECS[i][3]) for i in range(8)}
+        work[9] = (prompts[3], SPECS[3][1], SPECS[3][2], 12)  # the long prompt again, once 3 has left
+        out = drive(engine, work, remove_at={3: 2, 0: 8})
+        stats, tol = engine.cache_stats(), tolerance(engine)
+    finally:
+        engine.close()
+    assert out[3] == [] and 0 < len(out[0]) < SPECS[0][2]
+    cached = {i: out[i][0].cached_tokens for i in out if out[i]}
+    assert all(cached[i] > 0 for i in cached if i != 0) if cache else set(cached.values()) == {0}
+    strip = lambda steps: [dataclasses.replace(st, cached_tokens=0) for st in steps]  # noqa: E731
+    compare(alone[0][: len(out[0])], strip(out[0]), greedy=True, tolerance=tol)
+    for i in (1, 2, 4, 5, 6, 7):
+        compare(alone[i], strip(out[i]), greedy=SPECS[i][1].temperature == 0, tolerance=tol)
+    compare(alone[3], strip(out[9]), greedy=True, tolerance=tol)
+    assert stats["kv_stream_copies"] >= 6 and stats["kv_cells_used"] == 0
+    print(f"\n{stats['kv_stream_copies']} stream copies; cached tokens {cached}")
+
+
 def test_no_capacity_past_max_batch_or_free_cells_and_an_error_for_what_never_fits(default_gguf):
     options = EngineOptions(ctx_size=512, threads=1, max_batch=3, cache_bytes=0, prefill_step=64)
     engine = LlamaEngine.load(default_gguf, options, kv_cells=512)

@@ -80,3 +80,55 @@ def test_on_the_gpu_one_pass_reads_a_chunk_of_several_newcomers_prompts(gguf):
     done = subprocess.run([sys.executable, "-c", PASS_SCRIPT, gguf], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     print(done.stdout.strip().splitlines()[-1])
+
+
+STREAMS_SCRIPT = textwrap.dedent("""
+    import sys
+    import mesh_llm
+    from mesh_llm.engines.base import EngineOptions, SamplingParams
+    from mesh_llm.engines.llama import LlamaEngine
+    engine = LlamaEngine.load(sys.argv[1], EngineOptions(ctx_size=1024, max_batch=8))
+    assert "a stream for each" in engine.info().details["kv_cells"], engine.info().details
+    greedy = SamplingParams(temperature=0.0, logprobs=2)
+    shared = [200 + i for i in range(300)]  # three prompts share it: their copies of its stream
+    prompts = [shared + [7, 8, s] if s < 3 else [100 + 13 * s + i for i in range(40 + 30 * s)] for s in range(8)]
+    lengths = [6 + 3 * s for s in range(8)]  # they end at different steps: running ones move down
+    for s in range(4):
+        engine.add(s, prompts[s], greedy, lengths[s])
+    out, running, added, steps = {s: [] for s in range(8)}, set(range(4)), 4, 0
+    while any(len(out[s]) < lengths[s] for s in range(8)):
+        for s, st in engine.step(2048):
+            out[s].append(st)
+        steps += 1
+        for s in [s for s in running if len(out[s]) == lengths[s]]:
+            engine.remove(s)
+            running.discard(s)
+        if steps % 3 == 0 and added < 8:  # one joins every third step
+            engine.add(added, prompts[added], greedy, lengths[added])
+            running.add(added)
+            added += 1
+    stats = engine.cache_stats()
+    differ = []
+    for s in range(8):
+        alone = [st for st in engine.generate(prompts[s], greedy, max_tokens=lengths[s])]
+        for k, (a, b) in enumerate(zip(alone, out[s])):
+            assert abs(a.logprob - b.logprob) <= 0.5 or a.token != b.token, (s, k, a, b)
+            if a.token != b.token:  # only at a near-tie
+                margin = a.top_logprobs[0][1] - a.top_logprobs[1][1]
+                assert margin <= 1.0, (s, k, margin)
+                differ.append(s)
+                break
+    assert [out[s][0].cached_tokens > 0 for s in (1, 2)] == [True, True], [out[s][0] for s in range(3)]
+    assert stats["kv_stream_copies"] >= 4, stats
+    print("stream copies:", stats["kv_stream_copies"], "sequences parting from their solo run at a near-tie:", differ)
+""")
+
+
+def test_on_the_gpu_a_stream_per_sequence_keeps_every_sequence_what_it_is_alone(gguf):
+    """The GPU default: a stream of cells per sequence. Eight sequences joining and ending at
+    different steps (running ones move into the ids that ended ones leave), three sharing a prefix by
+    copying a stream: each gives its solo tokens, parting only at a near-tie."""
+    done = subprocess.run([sys.executable, "-c", STREAMS_SCRIPT, gguf], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    print(done.stdout.strip().splitlines()[-1])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -91,7 +92,7 @@ class LlamaEngine(Engine):
 
     def __init__(self, path: Path, meta: dict, model, ctx, *, threads: int, gpu_layers: int,
                  max_batch: int, n_ctx_seq: int, prefill_step: int, cell_bytes: int, options: EngineOptions,
-                 cells: str):
+                 cells: str, streams: bool):
         self._path, self._meta, self._model, self._ctx = path, meta, model, ctx
         self._threads, self._gpu_layers, self._max_batch = threads, gpu_layers, max_batch
         self._cell_bytes, self._cells = cell_bytes, cells
@@ -111,14 +112,20 @@ class LlamaEngine(Engine):
         self._slots: dict[int, Slot] = {}  # running, by the runtime's sequence id, in the order added
         self._retired: deque[Slot] = deque()  # ended while others ran: their cells stay until released
         self._free_ids = deque(range(ll.llama_n_seq_max(ctx)))
+        self._streams = streams  # a stream of cells per sequence id, not one pool
+        self._pending: set[int] = set()  # streams in a copy llama.cpp makes at the next decode
+        self._stream_copies = 0
         self._cells_used = 0  # a snapshot for cache_stats(), which any thread may call
         self._batch = Batch(capacity)
         self._close = weakref.finalize(self, _free_native, self._tokenizer, ctx, model)
 
     @classmethod
-    def load(cls, path: Path, options: EngineOptions, progress=None, *, kv_cells: int | None = None) -> LlamaEngine:
+    def load(cls, path: Path, options: EngineOptions, progress=None, *, kv_cells: int | None = None,
+             streams: bool | None = None) -> LlamaEngine:
         """``kv_cells``: the pool's size (default: from memory, ``llama_batch.plan_pool``); a pool
-        smaller than the context also shortens the context to it."""
+        smaller than the context also shortens the context to it. ``streams``: a stream of cells per
+        sequence instead of one pool (default: on a GPU, where every sequence's whole context fits
+        the memory plan; ``MESH_LLM_KV_STREAMS=0|1`` decides otherwise); see :meth:`_compact`."""
         path = resolve(path)
         meta = check_gguf(path)
         if options.max_batch is not None and not 1 <= options.max_batch <= MAX_SEQUENCES:
@@ -156,6 +163,16 @@ class LlamaEngine(Engine):
         max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch)
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
+        if streams is None:
+            setting = os.environ.get("MESH_LLM_KV_STREAMS")
+            streams = gpu if setting is None else setting == "1"
+            # every stream holds a whole context: retired ones only as far as half the free memory allows
+            fit = free // 2 // max(1, cell_bytes) // n_ctx_seq - max_batch
+            streams = streams and not kv_cells and fit >= 0
+            n_seq_max = min(n_seq_max, max_batch + max(0, fit)) if streams else n_seq_max
+        streams = streams and not llama_cache.needs_checkpoints(model)  # their states resume whole
+        if streams:
+            pool = n_seq_max * n_ctx_seq
         # one pass holds every decoding row and a step's prompt chunks: one chunk on a CPU, several
         # on a GPU, where the worker's budget is GPU_PREFILL_CHUNKS of them (32 newcomers' 640-token
         # prompts then take about a quarter of the passes); llama.cpp asserts n_batch >= n_seq_max
@@ -166,7 +183,7 @@ class LlamaEngine(Engine):
         cparams.n_batch = cparams.n_ubatch = capacity
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
-        cells = llama_cache.set_cache_params(cparams, gpu, options.deterministic)
+        cells = llama_cache.set_cache_params(cparams, gpu, options.deterministic, streams)
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
             ll.llama_model_free(model)
@@ -175,7 +192,7 @@ class LlamaEngine(Engine):
         gpu_layers = ll.llama_model_n_layer(model) if gpu else 0
         return cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
                    n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options,
-                   cells=cells)
+                   cells=cells, streams=streams)
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -205,7 +222,9 @@ class LlamaEngine(Engine):
                 "threads": str(self._threads),
                 "n_gpu_layers": str(self._gpu_layers),
                 "max_batch": str(self._max_batch),
-                "kv_cells": f"{self._pool} {self._cells} ({kv_bytes / 1e6:.0f} MB)",
+                "kv_cells": f"{self._pool} {self._cells} ({kv_bytes / 1e6:.0f} MB), "
+                            + (f"a stream for each of {ll.llama_n_seq_max(self._ctx)} sequences"
+                               if self._streams else "one pool"),
                 "n_batch": str(self._batch.capacity),
                 "file": str(self._path),
                 **details,
@@ -240,8 +259,7 @@ class LlamaEngine(Engine):
             raise NoCapacity(f"{n + max_tokens - share} KV cells needed, {self._free_cells()} free")
         if not self._free_ids:
             self._release(self._retired.popleft())
-        slot = Slot(seq, self._free_ids.popleft(), ids, max_tokens,
-                    Sampler(params, self._n_vocab, self._fallback))
+        slot = Slot(seq, self._take_id(), ids, max_tokens, Sampler(params, self._n_vocab, self._fallback))
         slot.share = share
         self._slots[seq] = slot
 
@@ -268,7 +286,7 @@ class LlamaEngine(Engine):
     def _release(self, slot: Slot) -> None:
         """Offer the slot's state to the prompt cache and free its cells and sequence id."""
         try:
-            if slot.started and self._prompts.enabled:
+            if slot.started and self._prompts.enabled and slot.id not in self._pending:
                 self._store(slot)
         finally:
             ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
@@ -284,7 +302,11 @@ class LlamaEngine(Engine):
         self._check_open()
         batch, work = self._batch, []
         batch.clear()
-        for slot in self._slots.values():  # one token for each decoding sequence, first
+        slots = self._slots.values()
+        if self._streams:
+            self._compact()
+            slots = sorted(slots, key=lambda s: s.id)
+        for slot in slots:  # one token for each decoding sequence, first
             if slot.next_token is not None and slot.produced < slot.max_tokens:
                 work.append((slot, [slot.next_token], batch.add(slot.id, [slot.next_token], len(slot.held), True)))
         decoding = len(work)
@@ -302,6 +324,7 @@ class LlamaEngine(Engine):
             rc = ll.llama_decode(self._ctx, batch.ready())
         if rc != 0:
             self._fail(f"llama_decode failed (code {rc}) on a batch of {batch.n} tokens")
+        self._pending.clear()
         exact = batch.n >= 2
         for slot, tokens, _ in work:
             slot.extend(tokens, exact)
@@ -352,7 +375,8 @@ class LlamaEngine(Engine):
         if patient and self._worth_waiting(slot, max(share, stored)):
             return False
         total, free = len(slot.prompt) + slot.max_tokens, self._free_cells(exclude=slot)
-        restore = stored > share and total <= free  # a restore takes new cells for all of it
+        # a restore takes new cells for all of it, written at once: not into a stream still to be copied
+        restore = stored > share and total <= free and slot.id not in self._pending
         if not restore and total - share > free:  # admission left room; retired cells hold it
             if not self._retired:
                 return False
@@ -370,10 +394,66 @@ class LlamaEngine(Engine):
         else:
             if self._prompts.enabled:
                 self._prompts.record(share)
-            if share:
+            if share and self._streams:
+                self._copy(source.id, slot.id, share)
+            elif share:
                 ll.llama_memory_seq_cp(self._memory, source.id, slot.id, 0, share)
-            slot.begin(share, source if share else None)
+            slot.begin(share, source if share and not self._streams else None)
         return True
+
+    def _take_id(self, avoid: set[int] = frozenset()) -> int:
+        """A free sequence id: with streams the lowest (not in ``avoid`` where one is), so running
+        sequences stay on consecutive ids."""
+        if not self._streams:
+            return self._free_ids.popleft()
+        chosen = min((i for i in self._free_ids if i not in avoid), default=None)
+        chosen = min(self._free_ids) if chosen is None else chosen
+        self._free_ids.remove(chosen)
+        return chosen
+
+    def _compact(self) -> None:
+        """With a stream per sequence llama.cpp computes a pass in one graph only over consecutive
+        sequence ids (``split_equal``: each gap costs another graph, about a whole step's overhead),
+        so the running sequences that hold cells are kept on ids 0..m-1. One that ends leaves a gap
+        (it stays there, retired, until this runs): the highest running sequence moves into it, and
+        the retired one moves out to a free id at the top, or gives its state to the prompt cache
+        when none is free. A move is a copy of the stream on the device, which llama.cpp makes at the
+        next decode, before that pass's own writes (:meth:`_copy`)."""
+        running = [s for s in self._slots.values() if s.started]
+        m = len(running)
+        holes = sorted(set(range(m)) - {s.id for s in running})
+        misplaced = sorted((s for s in running if s.id >= m), key=lambda s: -s.id)
+        for hole, slot in zip(holes, misplaced):
+            waiting = next((s for s in self._slots.values() if s.id == hole and not s.started), None)
+            retired = next((s for s in self._retired if s.id == hole), None)
+            if retired is not None:
+                top = max((i for i in self._free_ids if i >= m), default=None)
+                if top is None:
+                    self._retired.remove(retired)
+                    self._release(retired)
+                else:
+                    self._free_ids.remove(top)
+                    self._move(retired, top)
+            if hole in self._free_ids:
+                self._free_ids.remove(hole)
+            self._move(slot, hole)
+            if waiting is not None:  # it holds no cells yet: another id will do
+                waiting.id = self._take_id(avoid=self._pending)
+
+    def _move(self, slot: Slot, to: int) -> None:
+        self._copy(slot.id, to, -1)
+        ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
+        self._free_ids.append(slot.id)
+        slot.id = to
+
+    def _copy(self, source: int, to: int, keep: int) -> None:
+        """Sequence ``to`` holds ``source``'s first ``keep`` cells (-1: all) once the next decode has
+        copied the stream: llama.cpp copies across streams only whole streams."""
+        ll.llama_memory_seq_cp(self._memory, source, to, -1, -1)
+        if keep >= 0:
+            ll.llama_memory_seq_rm(self._memory, to, keep, -1)
+        self._pending |= {source, to}
+        self._stream_copies += 1
 
     def _best_share(self, prompt: np.ndarray) -> tuple[Slot | None, int]:
         """The running or retired sequence whose computed cells hold the longest prefix of ``prompt``
@@ -402,7 +482,9 @@ class LlamaEngine(Engine):
 
     def _free_cells(self, exclude: Slot | None = None) -> int:
         """Cells neither held nor promised: every running slot may still grow to its prompt and
-        max_tokens (retired cells count as held)."""
+        max_tokens (retired cells count as held). With streams: a newcomer's whole stream."""
+        if self._streams:
+            return self._n_ctx_seq
         growth = sum(s.growth() for s in self._slots.values() if s is not exclude)
         return self._pool - cells_in_use(self._holders()) - growth
 
@@ -433,6 +515,7 @@ class LlamaEngine(Engine):
         self._free_ids = deque(range(ll.llama_n_seq_max(self._ctx)))
         self._slots.clear()
         self._retired.clear()
+        self._pending.clear()
         self._cells_used = 0
         ll.llama_memory_clear(self._memory, True)
         raise EngineError(f"{self._path}: {message}; every running sequence was dropped")
@@ -478,7 +561,8 @@ class LlamaEngine(Engine):
         return ll.llama_state_get_size(self._ctx)
 
     def cache_stats(self) -> dict:
-        return {**self._prompts.stats(), "kv_cells": self._pool, "kv_cells_used": self._cells_used}
+        stats = {**self._prompts.stats(), "kv_cells": self._pool, "kv_cells_used": self._cells_used}
+        return {**stats, "kv_stream_copies": self._stream_copies} if self._streams else stats
 
     def close(self) -> None:
         for slot in self._slots.values():

@@ -50,12 +50,15 @@ RECOMPUTE = 2  # prompt tokens a request always computes, as one chunk of two
 GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h (the bindings do not name them)
 
 
-def set_cache_params(cparams: ll.llama_context_params, gpu: bool, deterministic: bool) -> str:
+def set_cache_params(cparams: ll.llama_context_params, gpu: bool, deterministic: bool,
+                     streams: bool = False) -> str:
     """One pool of KV cells for every sequence (``kv_unified``: any sequence may grow to the whole
-    context, and sequences share a prefix's cells). On a CPU, flash attention over float16 cells, as
-    llama-server has them, or over bfloat16 cells when ``deterministic`` (see above). Sliding windows
-    keep only their window (``swa_full`` off): their states are resumed whole. Returns the cell type."""
-    cparams.kv_unified = True
+    context, and sequences share a prefix's cells), or with ``streams`` a stream of cells per
+    sequence id (each row's attention then reads only its own). On a CPU, flash attention over
+    float16 cells, as llama-server has them, or over bfloat16 cells when ``deterministic`` (see
+    above). Sliding windows keep only their window (``swa_full`` off): their states are resumed
+    whole. Returns the cell type."""
+    cparams.kv_unified = not streams
     cparams.swa_full = False
     if gpu:
         return "f16"
