@@ -13,6 +13,8 @@
 #   4. carry []                 bash benchmarks/gpu_session.sh llama   # llama-server and mesh-llm llama
 # or what the llama engine's one KV pool costs a GPU's batched decode (issue 10, about 2 minutes):
 #   2. carry [".device/elf", ".device/b/extra"]  bash benchmarks/gpu_session.sh kv-unified
+#      (or) the same carry: llama-profile (py-spy of batched rounds, .device/elf/py-spy; ~5 min with
+#      the build's wait) or streams (a stream per sequence against one pool, A/B; the GPU tests)
 # or the engines' own GPU checks (issues 9, 10):
 #   3. carry [".device/b"]      bash benchmarks/gpu_session.sh mlx-gpu    # MLX GPU tests, raw batched decode
 #   4. carry []                 bash benchmarks/gpu_session.sh llama-gpu  # CUDA load crash, GPU tests, raw batch
