@@ -253,6 +253,19 @@ streams)  # carry [".device/elf", ".device/b/extra"], after build: the llama eng
     done
   done
   ;;
+streams-prefill)  # carry [".device/elf", ".device/b/extra"], after build: newcomers' prompts read
+  # together, a stream per sequence against one pool (the raw engine's first and last TTFT)
+  llama_env
+  wait_model qwen2.5-0.5b
+  for streams in 1 0 1 0; do
+    for rows in 8 32; do
+      echo "== MESH_LLM_KV_STREAMS=$streams, $rows rows"
+      MESH_LLM_KV_STREAMS=$streams timeout 100 python3 benchmarks/engines.py --engine llama \
+        --gguf "$models/qwen2.5-0.5b.gguf" --batch "$rows" --prompt-tokens 640 --decode-tokens 16 --runs 2 \
+        2>&1 | grep -E '^\| llama' || true
+    done
+  done
+  ;;
 mlx-warm)  # issue 11: first request against warm, with and without the on-disk kernel cache and the
   # warm-up; quantize quality on the embedded model (GPU tests) and speed (7B, raw batched decode)
   mlx_env
