@@ -1,11 +1,13 @@
 """llama.cpp engine: GGUF models through llama-cpp-python's low-level bindings, many sequences at once.
 
-As llama-server's slots do, every sequence is a llama.cpp sequence id in one pool of KV cells, and
-each step decodes one ``llama_batch`` holding a chunk of prompt for each sequence still reading its
-own and one token for each decoding one; each sequence samples from its own logits row with its own
-sampler (``llama_batch``). A sequence is admitted while the pool has free cells for its prompt and
+As llama-server's slots do, every sequence is a llama.cpp sequence id with its KV cells (in one pool
+on a CPU, in a stream of its own on a GPU: :meth:`LlamaEngine._compact`), and each step decodes one
+``llama_batch`` holding a chunk of prompt for each sequence still reading its own and one token for
+each decoding one; each sequence samples from its own logits row with its own sampler
+(``llama_batch``). A sequence is admitted while the pool has free cells for its prompt and
 ``max_tokens``; one that starts with a prefix another running sequence holds shares its cells
-(``llama_memory_seq_cp``: no copy, no memory), and one that ends leaves its state to the prompt cache
+(``llama_memory_seq_cp``: in one pool no copy, no memory; across streams a copy on the device), and
+one that ends leaves its state to the prompt cache
 (``llama_cache.SequenceState`` in a ``PromptCache``). ``llama_cache`` says which KV is reused and
 why flash attention is off on CPU.
 
@@ -168,7 +170,7 @@ class LlamaEngine(Engine):
             streams = gpu if setting is None else setting == "1"
             # every stream holds a whole context: retired ones only as far as half the free memory allows
             fit = free // 2 // max(1, cell_bytes) // n_ctx_seq - max_batch
-            streams = streams and not kv_cells and fit >= 0
+            streams = streams and not kv_cells and fit >= 0 and not llama_cache.needs_checkpoints(model)
             n_seq_max = min(n_seq_max, max_batch + max(0, fit)) if streams else n_seq_max
         streams = streams and not llama_cache.needs_checkpoints(model)  # their states resume whole
         if streams:

@@ -1,13 +1,13 @@
 """The llama.cpp engine's sequences and the batch one step decodes, as llama-server's slots.
 
-Each sequence the runtime adds becomes a :class:`Slot`: a llama.cpp sequence id in the context's one
-pool of KV cells, its prompt, the tokens its cells hold, and its own sampler (:class:`Sampler`: its
+Each sequence the runtime adds becomes a :class:`Slot`: a llama.cpp sequence id with its KV cells (in
+the context's one pool, or in a stream of its own), its prompt, the tokens its cells hold, and its own sampler (:class:`Sampler`: its
 seed, filters, logprobs and constraint). A step puts every busy slot's work into one
 :class:`Batch` (a chunk of prompt, or the one token it sampled last) and decodes it in one pass;
 each slot then samples from its own logits row.
 
-Cells are counted here, not asked of llama.cpp: sequences that share a prefix hold the same cells
-(``llama_memory_seq_cp``), so each slot lists the runs of cells it holds (:class:`Run`), and the
+Cells are counted here, not asked of llama.cpp: in one pool sequences that share a prefix hold the
+same cells (``llama_memory_seq_cp``), so each slot lists the runs of cells it holds (:class:`Run`), and the
 pool's use is the union of those runs plus what every slot may still grow by.
 """
 
