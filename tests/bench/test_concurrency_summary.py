@@ -160,14 +160,3 @@ def test_report_charts_and_console(tmp_path):
     assert "![throughput](throughput.png)" in text and "![ttft-p95](ttft-p95.png)" in text
     startup, levels = concurrency_tables(summary)
     assert (startup.row_count, levels.row_count) == (3, 4)
-
-
-def test_the_font_cache_is_built_in_a_child_process(tmp_path, monkeypatch):
-    """Where a llama.cpp carrying its own libstdc++ was loaded first, the charts module has matplotlib
-    build its font cache in a child that loads no llama.cpp (its C++ font code died building the cache
-    in such a process on the H200); the cache then lies where matplotlib looks for it."""
-    from mesh_llm.bench.charts import build_font_cache
-
-    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path))
-    build_font_cache()
-    assert list(tmp_path.glob("fontlist-v*.json"))

@@ -8,31 +8,12 @@ backend that failed a case gets "failed" where its bar would be.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from mesh_llm import native
-
-
-def build_font_cache() -> None:
-    """Have matplotlib build its font cache in a child process that loads no llama.cpp. On a fresh
-    machine its first import reads every system font, and in a process that had loaded a CUDA
-    llama.cpp carrying its own libstdc++ first (``mesh_llm.native``) its C++ font code died there
-    with SIGSEGV (``FontManager.addfont``, the H200, 2026-12-03); with the cache on disk the import
-    reads no font, and drawing went on fine in that process."""
-    subprocess.run([sys.executable, "-c", "import matplotlib.font_manager"], check=False, timeout=600,
-                   capture_output=True, env={**os.environ, "MESH_LLM_LLAMA_FIRST": "0"})
-
-
-if native.loaded_first():
-    build_font_cache()
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 CASE_CHARTS = [("ttft_ms", "ttft.png", "time to first token", "ms (lower is better)"),
                ("total_ms", "total.png", "total time", "ms (lower is better)"),
