@@ -86,7 +86,8 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
     LLAMA_CPP_LIB_PATH=/tmp/llama-cuda/bin PYTHONUNBUFFERED=1
   # matplotlib builds its font cache on a fresh machine's first import, and its C++ font code died
   # there (SIGSEGV in FontManager.addfont) inside a bench that had loaded llama.cpp's CUDA library
-  # first: build the cache in a process of its own
+  # first: build the cache in a process of its own. The bench no longer imports matplotlib in such a
+  # process (bench/cli.py _charts); this stays until a fresh machine has shown that it is enough
   python3 -c "import matplotlib.font_manager" || true
 }
 

@@ -3,6 +3,11 @@ up to, percentiles, ratios to one stream and between backends, and failed rounds
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from matplotlib.image import imread
 
@@ -160,3 +165,26 @@ def test_report_charts_and_console(tmp_path):
     assert "![throughput](throughput.png)" in text and "![ttft-p95](ttft-p95.png)" in text
     startup, levels = concurrency_tables(summary)
     assert (startup.row_count, levels.row_count) == (3, 4)
+
+
+def test_where_llama_cpp_came_first_the_charts_are_drawn_without_matplotlib_in_the_process(tmp_path):
+    """A process that loaded a llama.cpp build carrying its own libstdc++ first must not import
+    matplotlib at all: on a fresh H200 machine its font-cache build died there with SIGSEGV. The
+    bench draws its charts in a child then; here the parent is told it loaded such a build."""
+    summary = summarize_levels(records(), SETTINGS, ENVIRONMENT)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    code = textwrap.dedent("""
+        import json, sys
+        from pathlib import Path
+        from mesh_llm import native
+        native.loaded_first = lambda: True
+        from mesh_llm.bench.cli import _charts
+        out = Path(sys.argv[1])
+        charts = _charts("write_concurrency_charts", json.loads((out / "summary.json").read_text()), out)
+        print([c.name for c in charts], "matplotlib" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['throughput.png', 'ttft-p95.png'] False"
+    assert imread(tmp_path / "throughput.png").shape[0] > 200

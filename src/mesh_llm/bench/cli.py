@@ -53,7 +53,6 @@ def bench_command(
     startup_timeout: float = typer.Option(900.0, help="Seconds a backend may take to serve its first completion."),
 ) -> None:
     """Benchmark mesh-llm's engines against mlx-lm's and llama.cpp's own servers, side by side."""
-    from mesh_llm.bench.charts import write_charts, write_concurrency_charts  # matplotlib: when benchmarking
     from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report
     from mesh_llm.bench.concurrency_summary import summarize_levels
     from mesh_llm.bench.environment import describe
@@ -92,8 +91,8 @@ def bench_command(
     else:
         plan = Plan(pairs, [BACKENDS[n] for n in names], case_list, settings, **common)
     runner, summarized, charted, reported, tabled = (
-        (ConcurrencyRunner, summarize_levels, write_concurrency_charts, write_concurrency_report, concurrency_tables)
-        if levels else (Runner, summarize, write_charts, write_report, console_tables))
+        (ConcurrencyRunner, summarize_levels, "write_concurrency_charts", write_concurrency_report, concurrency_tables)
+        if levels else (Runner, summarize, "write_charts", write_report, console_tables))
     total = len(pairs) * len(plan.backends) * plan.requests_per_backend()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
@@ -191,15 +190,19 @@ def _settings_json(plan: Plan, started: datetime) -> dict:
     return settings
 
 
-def _charts(writer, summary: dict, out: Path) -> list[Path]:
-    """The charts, drawn in a child process when this one loaded a llama.cpp build that carries its own
-    libstdc++ first (``mesh_llm/native.py``): matplotlib's C++ code must not share a process with it."""
+def _charts(writer: str, summary: dict, out: Path) -> list[Path]:
+    """The charts (``bench.charts``' function ``writer``), drawn in a child process when this one loaded
+    a llama.cpp build that carries its own libstdc++ first (``mesh_llm/native.py``): matplotlib's C++
+    code must not share a process with it, not even to be imported (on a fresh H200 machine, building
+    its font cache in such a process died with SIGSEGV in ``FontManager.addfont``)."""
     from mesh_llm import children, native
 
     if not native.loaded_first():
-        return writer(summary, out)
+        from mesh_llm.bench import charts  # matplotlib: only when drawing
+
+        return getattr(charts, writer)(summary, out)
     code = ("import json, sys; from pathlib import Path; from mesh_llm.bench import charts; "
-            f"print('\\n'.join(map(str, charts.{writer.__name__}(json.load(open(sys.argv[1])), Path(sys.argv[2])))))")
+            f"print('\\n'.join(map(str, charts.{writer}(json.load(open(sys.argv[1])), Path(sys.argv[2])))))")
     done = children.run([sys.executable, "-c", code, str(out / "summary.json"), str(out)], capture_output=True,
                         text=True, check=False, env={**os.environ, "MESH_LLM_LLAMA_FIRST": "0"})
     if done.returncode != 0:
