@@ -165,14 +165,15 @@ class LlamaEngine(Engine):
         max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch)
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
+        whole = llama_cache.needs_checkpoints(model)  # their states resume whole: one pool
         if streams is None:
             setting = os.environ.get("MESH_LLM_KV_STREAMS")
             streams = gpu if setting is None else setting == "1"
             # every stream holds a whole context: retired ones only as far as half the free memory allows
             fit = free // 2 // max(1, cell_bytes) // n_ctx_seq - max_batch
-            streams = streams and not kv_cells and fit >= 0 and not llama_cache.needs_checkpoints(model)
+            streams = streams and not kv_cells and fit >= 0 and not whole
             n_seq_max = min(n_seq_max, max_batch + max(0, fit)) if streams else n_seq_max
-        streams = streams and not llama_cache.needs_checkpoints(model)  # their states resume whole
+        streams = streams and not whole
         if streams:
             pool = n_seq_max * n_ctx_seq
         # one pass holds every decoding row and a step's prompt chunks: one chunk on a CPU, several
