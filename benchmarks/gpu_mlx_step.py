@@ -1,12 +1,14 @@
 """Where a decode step's time goes in the MLX engine, against a bare mlx-lm loop on the same model.
 
-    python3 benchmarks/gpu_mlx_step.py MODEL_FOLDER [--tokens 256] [--prompt 640]
+    python3 benchmarks/gpu_mlx_step.py MODEL_FOLDER [--tokens 256] [--prompt 640] [--kernels]
 
 In one process, on one model: (1) a hand loop, ``model(y[:, None], cache)`` + argmax with the next
 step queued before the last is read (the loop NOTES.md measured at 218-251 tok/s on the Qwen2.5-0.5B
-shape); (2) the engine with one sequence, pipelined (its GPU default) and not; (3) the engine with 2
-and 8 sequences. For the engine it splits each step into building and queuing the graph (launch) and
-waiting for the tokens (read). Prints a table; JSON to $OUT/mlx-step.json when OUT is set.
+shape), and the same through the traced step (``engines/mlx_compiled.py``), each step split into
+building its graph, handing it to MLX and waiting for the last step's tokens; (2) the engine with 1, 2
+and 8 sequences, its decode steps traced and not, each step split into building and queuing the
+graph (launch) and waiting for the tokens (read); (3) with ``--kernels``, the GPU kernels a step
+runs and their time (PyTorch's profiler). Prints a table; JSON to $OUT/mlx-step-<model>.json.
 """
 
 from __future__ import annotations
@@ -27,37 +29,96 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams  # noqa: E402
 from mesh_llm.engines.mlx import MLXEngine  # noqa: E402
+from mesh_llm.engines.mlx_compiled import CompiledDecode  # noqa: E402
 
 
-def hand_loop(model, prompt: list[int], tokens: int) -> dict:
+def hand_loop(model, prompt: list[int], tokens: int, traced: CompiledDecode | None = None) -> dict:
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
     mx.eval([c.state for c in cache])
     y = mx.array(prompt[-1:])
 
     def forward(y):
-        return mx.argmax(model(y[:, None] if y.ndim == 1 else y, cache=cache)[:, -1, :], axis=-1)
+        logits = traced.step(y, cache) if traced else model(y[:, None], cache=cache)[:, -1, :]
+        return mx.argmax(logits, axis=-1)
 
-    times = pipelined_steps(forward, y, tokens)
-    return {"case": "hand loop (mlx-lm model, argmax, pipelined)", "step_ms": 1000 * statistics.median(times)}
+    split = pipelined_steps(forward, y, tokens)
+    name = "traced step" if traced else "mlx-lm model"
+    return {"case": f"hand loop ({name}, argmax, pipelined)", **split}
 
 
-def pipelined_steps(forward, y, tokens: int) -> list[float]:
-    """Seconds between tokens of ``forward`` run ``tokens`` times, each step queued before the last
-    one's tokens are read (as the engine runs on a GPU)."""
+def pipelined_steps(forward, y, tokens: int) -> dict:
+    """``forward`` run ``tokens`` times, each step queued before the last one's tokens are read (as
+    the engine runs on a GPU). Median ms a step, and of its parts: building the graph, handing it
+    to MLX (``async_eval``), waiting for the last step's tokens."""
     pending = forward(y)
     mx.async_eval(pending)
-    times, last = [], time.perf_counter()
+    parts: dict[str, list[float]] = {"step_ms": [], "build_ms": [], "submit_ms": [], "read_ms": []}
+    last = time.perf_counter()
     for _ in range(tokens):
+        t0 = time.perf_counter()
         nxt = forward(pending)
+        t1 = time.perf_counter()
         mx.async_eval(nxt)
+        t2 = time.perf_counter()
         pending.tolist()
+        t3 = time.perf_counter()
         pending = nxt
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
+        for key, value in (("build_ms", t1 - t0), ("submit_ms", t2 - t1), ("read_ms", t3 - t2),
+                           ("step_ms", t3 - last)):
+            parts[key].append(1000 * value)
+        last = t3
     pending.tolist()
-    return times
+    return {key: statistics.median(values) for key, values in parts.items()}
+
+
+def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None) -> dict:
+    """GPU kernels a decode step runs and their summed time, read by PyTorch's profiler (CUPTI sees
+    every kernel in the process, MLX's included): synchronous steps, so nothing else overlaps."""
+    import torch  # noqa: PLC0415 - only here: a profiler, imported after MLX has its kernels
+
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    y = mx.array(prompt[-1:])
+
+    def forward(y):
+        logits = traced.step(y, cache) if traced else model(y[:, None], cache=cache)[:, -1, :]
+        return mx.argmax(logits, axis=-1)
+
+    for _ in range(8):
+        y = forward(y)
+        mx.eval(y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(tokens):
+            y = forward(y)
+            mx.eval(y)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in events)
+    top: dict[str, float] = {}
+    for e in events:
+        top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
+    name = "traced step" if traced else "mlx-lm model"
+    return {"case": f"kernels ({name})", "kernels_per_step": len(events) / tokens,
+            "gpu_ms_per_step": busy / tokens / 1000,
+            "top": sorted(((n, t / tokens) for n, t in top.items()), key=lambda p: -p[1])[:12]}
+
+
+def hand_loop_on_engine_caches(engine: MLXEngine, prompt: list[int], tokens: int) -> dict:
+    """The hand loop's forward pass over the layer caches the engine made for one sequence (its
+    chunked prompt read): tells a slow cache from a slow engine step."""
+    engine.add(0, prompt, SamplingParams(temperature=0.0), tokens + 4)
+    while not engine.step(4096):
+        pass
+    group = engine._groups[0]  # noqa: SLF001
+    cache, model = group._caches, engine._model  # noqa: SLF001
+
+    def forward(y):
+        return mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+
+    split = pipelined_steps(forward, group._inputs, tokens)  # noqa: SLF001
+    engine.remove(0)
+    return {"case": "hand loop on the engine's caches", **split}
 
 
 def engine_steps(engine: MLXEngine, prompts: list[list[int]], tokens: int, label: str) -> dict:
@@ -94,24 +155,48 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=640)
+    parser.add_argument("--kernels", action="store_true", help="also count kernels with torch's profiler")
+    parser.add_argument("--only", choices=["hand", "engine"],
+                        help="only this one-stream loop, twice (for a sampling profiler)")
     args = parser.parse_args()
     engine = MLXEngine.load(args.model, EngineOptions(ctx_size=4096, cache_bytes=0, max_batch=8))
+    model, traced = engine._model, engine._compiled or CompiledDecode(engine._model)  # noqa: SLF001
     prompts = [[(7 * i + 13 * j) % 1000 + 10 for j in range(args.prompt)] for i in range(8)]
+    engine._compiled = None  # noqa: SLF001
+    if args.only:
+        for _ in range(2):
+            row = (hand_loop(model, prompts[0], args.tokens) if args.only == "hand" else
+                   engine_steps(engine, prompts[:1], args.tokens, "engine, 1 seq"))
+            print(f"{row['case']}: {row['step_ms']:.2f} ms a step")
+        return
     rows = []
     for repeat in range(2):  # the first pass compiles kernels
-        rows = [hand_loop(engine._model, prompts[0], args.tokens)]  # noqa: SLF001
-        for pipelined in (True, False):
-            engine._pipelined = pipelined  # noqa: SLF001
-            rows.append(engine_steps(engine, prompts[:1], args.tokens, f"engine, 1 seq, pipelined={pipelined}"))
-        engine._pipelined = True  # noqa: SLF001
-        for n in (2, 8):
-            rows.append(engine_steps(engine, prompts[:n], args.tokens, f"engine, {n} seqs, pipelined"))
-    print("| case | step ms | launch ms | read ms | tok/s |\n| --- | --- | --- | --- | --- |")
+        rows = [hand_loop(model, prompts[0], args.tokens), hand_loop(model, prompts[0], args.tokens, traced),
+                hand_loop_on_engine_caches(engine, prompts[0], args.tokens)]
+        for compiled in (None, traced):
+            engine._compiled = compiled  # noqa: SLF001 - groups made from now on take it
+            for n in (1, 2, 8):
+                label = f"engine, {n} seq{'s' if n > 1 else ''}, {'traced' if compiled else 'mlx-lm'}"
+                rows.append(engine_steps(engine, prompts[:n], args.tokens, label))
+    print("| case | step ms | build or launch ms | submit ms | read ms | tok/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    nan = float("nan")
     for r in rows:
-        print(f"| {r['case']} | {r['step_ms']:.2f} | {r.get('launch_ms', float('nan')):.2f} | "
-              f"{r.get('read_ms', float('nan')):.2f} | {r.get('tok_s', 1000 / r['step_ms']):.0f} |")
+        print(f"| {r['case']} | {r['step_ms']:.2f} | {r.get('build_ms', r.get('launch_ms', nan)):.2f} | "
+              f"{r.get('submit_ms', nan):.2f} | {r.get('read_ms', nan):.2f} | "
+              f"{r.get('tok_s', 1000 / r['step_ms']):.0f} |")
+    if args.kernels:
+        for compiled in (None, traced):
+            try:
+                k = kernels(model, prompts[0], 32, compiled)
+            except Exception as e:  # noqa: BLE001 - a profiler that cannot run costs only this row
+                print(f"kernels: {type(e).__name__}: {e}")
+                continue
+            rows.append(k)
+            print(f"{k['case']}: {k['kernels_per_step']:.0f} kernels, {k['gpu_ms_per_step']:.2f} ms of "
+                  f"kernels a step; top: " + "; ".join(f"{n} {t:.0f} us" for n, t in k["top"][:6]))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "mlx-step.json").write_text(json.dumps(rows, indent=1))
+        Path(os.environ["OUT"], f"mlx-step-{args.model.name}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

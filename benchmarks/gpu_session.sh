@@ -32,6 +32,8 @@
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
+#                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
+#      then carry [".device/elf"]        bash benchmarks/gpu_session.sh host-spy  # py-spy of one-stream loops
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
@@ -374,6 +376,27 @@ together)  # prompt chunks read in one pass (MESH_LLM_PREFILL_TOGETHER=1, the GP
     echo "== MESH_LLM_PREFILL_TOGETHER=$t"
     MESH_LLM_PREFILL_TOGETHER=$t timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 8,32 \
       --rounds 2 --out "$OUT/rounds-together-$t.json" 2>&1 | grep "^| [0-9]" || true
+  done
+  ;;
+host)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"): issue 11, a one-stream
+  # decode step split into building its graph, handing it to MLX and waiting, with and without the
+  # traced step (engines/mlx_compiled.py); the kernels a step runs (torch's profiler); the GPU tests
+  mlx_env
+  for shape in ${HOST_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    wait_model "$shape"
+    echo "== $shape"
+    timeout 300 python3 benchmarks/gpu_mlx_step.py "$models/$shape-mlx" --tokens 128 --kernels 2>&1 | tail -20 || true
+  done
+  [ "${GPU_TESTS:-1}" = 0 ] || MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 200 python3 -m pytest -q -s \
+    -p no:cacheprovider tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -8 || true
+  ;;
+host-spy)  # carry [".device/elf"], after host: the one-stream hand loop and the engine's one-stream
+  # steps on the 7B shape, each sampled by py-spy with native frames (collapsed stacks to $OUT)
+  export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
+  for only in hand engine; do
+    timeout 150 .device/elf/py-spy record --native -r 400 -f raw -o "$OUT/7b-$only.txt" -- \
+      python3 benchmarks/gpu_mlx_step.py "$models/qwen2.5-7b-mlx" --tokens 256 --only $only 2>&1 | tail -3 || true
+    python3 benchmarks/stacks.py "$OUT/7b-$only.txt" 2>&1 | tail -30 || true
   done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products

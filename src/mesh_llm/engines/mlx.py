@@ -48,6 +48,7 @@ from mesh_llm.engines.base import (
 )
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
+from mesh_llm.engines.mlx_compiled import CompiledDecode
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
@@ -93,11 +94,14 @@ class MLXEngine(Engine):
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
-                 model_format: str, pipelined: bool | None = None, together: bool | None = None):
+                 model_format: str, pipelined: bool | None = None, together: bool | None = None,
+                 traced: bool = False):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
-        cost grows with the rows, and one pass per sequence keeps its results those of a solo run)."""
+        cost grows with the rows, and one pass per sequence keeps its results those of a solo run).
+        ``traced``: decode steps through ``mlx_compiled`` (the model's attention must be routed by
+        ``mlx_attention.install(model, traced=True)``)."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -112,6 +116,7 @@ class MLXEngine(Engine):
         self._reading: list[_Sequence] = []  # reading their prompts, first come first served
         self._groups: list[DecodeGroup] = []
         self._steps = 0
+        self._compiled = CompiledDecode(model) if traced else None
         fresh = make_prompt_cache(model)
         if together is None:  # MESH_LLM_PREFILL_TOGETHER=0: one pass per sequence, to compare
             together = on_gpu() and os.environ.get("MESH_LLM_PREFILL_TOGETHER", "1") != "0"
@@ -142,13 +147,18 @@ class MLXEngine(Engine):
         kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
-        if mlx_attention.install(model):
+        traced = os.environ.get("MESH_LLM_COMPILED_DECODE", "1" if on_gpu() else "0") != "0"
+        routed = mlx_attention.install(model, traced)
+        traced = routed and traced
+        if routed and mlx_attention.fused_here():
             details["decode_attention"] = "one fused kernel for batched rows"
+        if traced:
+            details["decode_step"] = "compiled once per shape (mx.compile)"
         if not on_gpu():
             details["threads"] = str(threads)
         if kernels:
             details["kernel_cache"] = kernels
-        engine = cls(model, tokenizer, config, ctx, options, details, fmt)
+        engine = cls(model, tokenizer, config, ctx, options, details, fmt, traced=traced)
         if on_gpu() if options.warm_up is None else options.warm_up:
             try:
                 seconds = engine.warm_up()
@@ -438,7 +448,8 @@ class MLXEngine(Engine):
         caches, s.cache = s.cache, None
         s.fed = len(s.prompt) - 1
         if self._unbatchable or not self._groups:
-            self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined))
+            self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined,
+                                            self._compiled))
         s.group = self._groups[-1]
         s.group.join(s, caches, s.prompt[-1])
 

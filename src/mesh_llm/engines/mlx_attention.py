@@ -21,6 +21,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from mesh_llm.engines.mlx_compiled import StepKV
+
 _WARPS = 8
 _HEAD_SIZES = (64, 96, 128, 256)
 # mlx-lm architectures read: each layer holding a plain KV cache masks only its rows' left padding in
@@ -37,7 +39,7 @@ _SOURCE = """
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     constexpr int PER_LANE = D / 32;
-    const int length = k_shape[2];
+    const int length = LENGTH;
     const int first = starts[b];
     const float scale = scales[0];
     const float inf = __int_as_float(0x7f800000);
@@ -86,25 +88,27 @@ _SOURCE = """
     }
 """
 
-_kernel = None
+_kernels: dict[bool, object] = {}
 
 
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                     starts: mx.array) -> mx.array:
+                     starts: mx.array, write: mx.array | None = None) -> mx.array:
     """Attention of one query per row, (B, Hq, 1, D), over keys and values (B, Hkv, L, D), row ``b``
-    reading positions ``starts[b]`` to ``L - 1``. Returns (B, Hq, 1, D) in the queries' dtype."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mesh_llm_decode_attention",
-            input_names=["q", "k", "v", "starts", "scales"],
+    reading positions ``starts[b]`` to ``L - 1``, or to ``write[0]`` where given (a traced step's
+    whole buffer, ``mlx_compiled``). Returns (B, Hq, 1, D) in the queries' dtype."""
+    dynamic = write is not None
+    if dynamic not in _kernels:
+        _kernels[dynamic] = mx.fast.cuda_kernel(
+            name="mesh_llm_decode_attention" + ("_to" if dynamic else ""),
+            input_names=["q", "k", "v", "starts", "scales"] + (["ends"] if dynamic else []),
             output_names=["out"],
-            source=_SOURCE,
+            source=_SOURCE.replace("LENGTH", "ends[0] + 1" if dynamic else "k_shape[2]"),
             ensure_row_contiguous=False,  # a cache's keys are a view of its buffer: read in place
         )
     batch, heads, _, size = queries.shape
-    (out,) = _kernel(
-        inputs=[queries, keys, values, starts.astype(mx.int32), mx.array([scale], dtype=mx.float32)],
+    inputs = [queries, keys, values, starts.astype(mx.int32), mx.array([scale], dtype=mx.float32)]
+    (out,) = _kernels[dynamic](
+        inputs=inputs + ([write] if dynamic else []),
         template=[("T", queries.dtype), ("HQ", heads), ("HKV", keys.shape[1]), ("D", size),
                   ("WARPS", _WARPS)],
         grid=(batch * heads * 32 * _WARPS, 1, 1),
@@ -115,36 +119,62 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     return out
 
 
-def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -> bool:
-    """Whether :func:`decode_attention` stands in for mlx-lm's attention on this call."""
-    return (type(cache) is BatchKVCache and sinks is None and queries.shape[2] == 1
-            and queries.shape[-1] in _HEAD_SIZES and keys.shape[-1] == queries.shape[-1]
-            and queries.shape[1] % keys.shape[1] == 0 and keys.dtype == values.dtype == queries.dtype
+def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: StepKV, scale: float,
+           sinks: mx.array | None = None) -> mx.array:
+    """A traced decode step's attention: each row over its own positions of the whole buffer."""
+    if sinks is None and _on_cuda() and _fits(queries, keys, values):
+        return decode_attention(queries, keys, values, scale, cache.starts, cache.write)
+    positions = mx.arange(keys.shape[2])
+    mask = (positions[None] >= cache.starts[:, None]) & (positions[None] <= cache.write)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                mask=mask[:, None, None, :], sinks=sinks)
+
+
+def fused_here() -> bool:
+    """Whether a batched decode step's attention is :func:`decode_attention` here: on CUDA, unless
+    ``MESH_LLM_FUSED_DECODE=0``."""
+    return _on_cuda() and os.environ.get("MESH_LLM_FUSED_DECODE", "1") != "0"
+
+
+def _on_cuda() -> bool:
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def _fits(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    return (queries.shape[2] == 1 and queries.shape[-1] in _HEAD_SIZES
+            and keys.shape[-1] == queries.shape[-1] and queries.shape[1] % keys.shape[1] == 0
+            and keys.dtype == values.dtype == queries.dtype
             and queries.dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
-def install(model) -> bool:
+def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -> bool:
+    """Whether :func:`decode_attention` stands in for mlx-lm's attention on this call."""
+    return type(cache) is BatchKVCache and sinks is None and _fits(queries, keys, values)
+
+
+def install(model, traced: bool = False) -> bool:
     """Route the attention of ``model``'s architecture (its mlx-lm module's
-    ``scaled_dot_product_attention``) to :func:`decode_attention` where it applies. Only on CUDA,
-    where the masked step has no fused kernel, and unless ``MESH_LLM_FUSED_DECODE=0``. Returns whether
-    it is installed."""
-    if os.environ.get("MESH_LLM_FUSED_DECODE", "1") == "0":
-        return False
-    if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
+    ``scaled_dot_product_attention``): a :class:`StepKV` cache's (``traced``, any device) to
+    :func:`attend`, and on CUDA, unless ``MESH_LLM_FUSED_DECODE=0``, a decode step over a
+    ``BatchKVCache`` to :func:`decode_attention`. Every other call stays mlx-lm's. Returns whether
+    the architecture's attention is routed (else a traced step cannot run on it)."""
+    fused = fused_here()
+    if not (fused or traced):
         return False
     name = type(model).__module__
     module = sys.modules.get(name)
     original = getattr(module, "scaled_dot_product_attention", None)
     if original is None or name.rsplit(".", 1)[-1] not in _VETTED:
         return False
-    if getattr(original, "mesh_llm_decode", False):
-        return True
+    original = getattr(original, "mesh_llm_original", original)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if applies(queries, keys, values, cache, sinks):
+        if type(cache) is StepKV:
+            return attend(queries, keys, values, cache, scale, sinks)
+        if fused and applies(queries, keys, values, cache, sinks):
             return decode_attention(queries, keys, values, scale, cache.left_padding)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
-    attention.mesh_llm_decode = True
+    attention.mesh_llm_original = original
     module.scaled_dot_product_attention = attention
     return True

@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mesh_llm.engines.base import Step
+from mesh_llm.engines.mlx_compiled import CompiledDecode, traceable
 from mesh_llm.engines.mlx_sampling import (
     RowSettings,
     SequenceSampler,
@@ -68,8 +69,10 @@ class Launch:
 class DecodeGroup:
     """Rows decoded in one forward pass: their layer caches, next inputs and PRNG keys."""
 
-    def __init__(self, model, vocab: int, eos: np.ndarray, pipelined: bool):
+    def __init__(self, model, vocab: int, eos: np.ndarray, pipelined: bool,
+                 compiled: CompiledDecode | None = None):
         self._model, self._vocab, self._eos, self._pipelined = model, vocab, eos, pipelined
+        self._compiled = compiled  # the traced decode step, where the model's attention takes it
         self.rows: list[Row] = []
         self.unread: Launch | None = None  # queued on a GPU, read at the next step
         self._caches: list[Any] | None = None
@@ -132,7 +135,10 @@ class DecodeGroup:
         if self._settings is None:
             self._settings = RowSettings([r.sampler for r in self.rows], self._vocab)
         settings = self._settings
-        logits = self._model(self._inputs[:, None], cache=self._caches)[:, -1, :]
+        if self._compiled is not None and traceable(self._caches):
+            logits = self._compiled.step(self._inputs, self._caches)
+        else:
+            logits = self._model(self._inputs[:, None], cache=self._caches)[:, -1, :]
         values = scores(logits, settings)
         subkeys = None
         if settings.sampled:

@@ -1,0 +1,107 @@
+"""A decode step traced once per shape (``mx.compile``) and replayed, so a token costs no Python.
+
+On a GPU the MLX engine's one-stream decode is bound by the host, not the device: building a step's
+graph in Python and handing it to MLX took longer than the GPU took to run it (README, "MLX on a
+GPU"). A compiled step is built in C++ from its trace. It needs shapes that stay put: mlx-lm's layer
+caches hand attention their buffers cut to the tokens written so far, a new shape every token. Here
+the step writes its keys and values at a position held in an array and attention reads the whole
+buffer, each row from its first own position (after its left padding) to the one just written. Shapes
+change when a buffer grows (``STEP`` positions at a time) or rows join or leave; each shape is traced
+once per process.
+
+It applies to a decode group whose layers all hold plain KV caches (one row's ``KVCache`` or a
+``BatchKVCache``), on an architecture whose attention ``mlx_attention`` routes (``_VETTED``). The
+caches stay mlx-lm's objects, kept as mlx-lm would leave them, so rows join, leave and go to the
+prompt cache as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+STEP = 256  # positions a buffer grows by, as mlx-lm's caches do
+
+
+class StepKV:
+    """A layer cache as a traced step sees it: the whole buffer, the new position written at
+    ``write``; rows read from ``starts`` to ``write`` (``mlx_attention.attend``)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, write: mx.array,
+                 starts: mx.array):
+        self.keys, self.values = keys, values
+        self.offset = positions  # each row's position, for the rotary embedding
+        self.write, self.starts = write, starts
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.write, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.write, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, **_: Any) -> None:
+        return None  # attention masks by starts and write
+
+
+def traceable(caches: list[Any]) -> bool:
+    """Whether a group's caches can take the compiled step."""
+    kinds = {type(c) for c in caches}
+    return (kinds == {KVCache} or kinds == {BatchKVCache}) and caches[0].keys is not None
+
+
+class CompiledDecode:
+    """One model's decode step, compiled: ``step(inputs, caches)`` gives the logits of one token a
+    row and leaves ``caches`` one position longer."""
+
+    def __init__(self, model):
+        self._model = model
+        self._traced = mx.compile(self._forward)
+
+    def _forward(self, inputs: mx.array, positions: mx.array, write: mx.array, starts: mx.array,
+                 *buffers: mx.array) -> tuple[mx.array, ...]:
+        caches = [StepKV(buffers[i], buffers[i + 1], positions, write, starts)
+                  for i in range(0, len(buffers), 2)]
+        logits = self._model(inputs[:, None], cache=caches)[:, -1, :]
+        return (logits, *(a for c in caches for a in (c.keys, c.values)))
+
+    def step(self, inputs: mx.array, caches: list[Any]) -> mx.array:
+        first = caches[0]
+        if isinstance(first, BatchKVCache):
+            written, positions, starts = first._idx, first.offset, first.left_padding
+        else:
+            written = first.offset
+            positions = starts = None
+        for c in caches:
+            _reserve(c, written)
+        if positions is None:
+            positions, starts = mx.array([written], dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
+        out = self._traced(inputs, positions.astype(mx.int32), mx.array([written], dtype=mx.int32),
+                           starts.astype(mx.int32), *(a for c in caches for a in (c.keys, c.values)))
+        for i, c in enumerate(caches):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            if isinstance(c, BatchKVCache):
+                c._idx += 1
+            else:
+                c.offset += 1
+        if isinstance(first, BatchKVCache):
+            offset = first.offset + 1
+            for c in caches:
+                c.offset = offset
+        return out[0]
+
+
+def _reserve(cache: Any, written: int) -> None:
+    """Room in ``cache``'s buffers for position ``written``, its capacity a multiple of ``STEP`` (a
+    buffer cut by a leaving row or copied from the prompt cache is padded), so few shapes occur."""
+    size = cache.keys.shape[2]
+    if written < size and size % STEP == 0:
+        return
+    grown = (written // STEP + 1) * STEP
+    keep = slice(None), slice(None), slice(0, written)
+
+    def pad(a: mx.array) -> mx.array:
+        b, h, _, d = a.shape
+        return mx.concatenate([a[keep], mx.zeros((b, h, grown - written, d), dtype=a.dtype)], axis=2)
+
+    cache.keys, cache.values = pad(cache.keys), pad(cache.values)
