@@ -99,7 +99,7 @@ mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and instal
 }
 
 run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency` run, stopped at its budget
-  local shape=$1 levels=$2 backends=$3 out=$conc/$1-$step
+  local shape=$1 levels=$2 backends=$3 out=$conc/$1-$step${TAG:-}
   local budget=$(( $4 * ${CONC_BUDGET_SCALE:-1} ))
   wait_model "$shape"
   echo "== $shape, $backends, streams $levels (at most $budget s)"
@@ -389,6 +389,18 @@ host)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b")
   done
   [ "${GPU_TESTS:-1}" = 0 ] || MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 200 python3 -m pytest -q -s \
     -p no:cacheprovider tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -8 || true
+  ;;
+conc-traced)  # carry [".device/b"] or [] after host: mesh-mlx through HTTP with its decode steps traced
+  # (MESH_LLM_COMPILED_DECODE=1, the GPU default) and not (=0), alternated: 0.5B at 1 and 8 streams, 7B at 1
+  mlx_env
+  mkdir -p "$conc"
+  for t in 1 0; do
+    echo "== MESH_LLM_COMPILED_DECODE=$t"
+    MESH_LLM_COMPILED_DECODE=$t TAG=-traced$t RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
+    MESH_LLM_COMPILED_DECODE=$t TAG=-traced$t RUNS=${RUNS:-2} run_conc qwen2.5-7b 1 mesh-mlx 70
+  done
+  for f in "$conc"/*traced*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
+  logs_to_out conc-traced-logs.tar.gz
   ;;
 host-spy)  # carry [".device/elf"], after host: the one-stream hand loop and the engine's one-stream
   # steps on the 7B shape, each sampled by py-spy with native frames (collapsed stacks to $OUT)

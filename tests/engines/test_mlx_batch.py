@@ -68,13 +68,18 @@ def smollm():
     engine.close()
 
 
-def sibling(engine, pipelined=None, together=None, model=None, **options):
+def sibling(engine, pipelined=None, together=None, model=None, traced=False, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
-    reading the last, and ``together``: read chunks that start at the same position in one pass, as
-    on a GPU (the defaults there), to check those paths on this CPU."""
+    reading the last, ``together``: read chunks that start at the same position in one pass, and
+    ``traced``: decode through the compiled step (engines/mlx_compiled.py), as on a GPU (the defaults
+    there), to check those paths on this CPU."""
+    if traced:
+        from mesh_llm.engines import mlx_attention
+
+        assert mlx_attention.install(engine._model, traced=True)
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
                      EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined,
-                     together=together)
+                     together=together, traced=traced)
 
 
 class CountingModel:
@@ -126,6 +131,72 @@ def test_eight_sequences_match_their_solo_runs(smollm):
         assert all(len(s.top_logprobs) == (params.logprobs or 0) for s in batched[i])
     print(f"\n{len(differ)} of 8 sequences diverge from their solo runs: {differ}")
     assert smollm.cache_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
+def test_traced_decode_steps_match_their_solo_runs(smollm, pipelined):
+    """The GPU's compiled decode step (engines/mlx_compiled.py): eight sequences joining at different
+    steps, decoded through it, answer as each does alone through mlx-lm's own step."""
+    engine = sibling(smollm, pipelined, traced=True, cache_bytes=0)
+    cases = eight_cases(engine)
+    alone = [run_alone(smollm, c) for c in cases]
+    batched = run_batched(engine, cases, budget=64)
+    assert engine._compiled.steps > 0
+    for i, case in enumerate(cases):
+        params = case.params()
+        if params.logprobs is None:
+            assert [s.token for s in batched[i]] == [s.token for s in alone[i]]
+            continue
+        result = compare(alone[i], batched[i], TOLERANCE)
+        if params.temperature > 0:
+            assert result.diverged_at is None
+
+
+def test_a_traced_step_gives_mlx_lms_own_logits(smollm):
+    """One step at a time, against mlx-lm's step on an equal cache (float32): one row's KVCache and a
+    batch of three left-padded rows, past a buffer's growth at 256 positions, one row leaving
+    mid-way. Greedy tokens equal, logits within 1e-4."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from mesh_llm.engines import mlx_attention
+    from mesh_llm.engines.mlx_compiled import CompiledDecode
+
+    model = smollm._model
+    assert mlx_attention.install(model, traced=True)
+    traced = CompiledDecode(model)
+    vocab = smollm.tokenizer.vocab_size
+
+    def read(n, seed):
+        cache = make_prompt_cache(model)
+        model(mx.array([[(31 * i + seed) % vocab for i in range(n)]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def batch():
+        a, b, c = read(250, 1), read(100, 2), read(40, 3)
+        merged = [BatchKVCache.merge([x, y]) for x, y in zip(a, b)]
+        for m, z in zip(merged, c):
+            m.extend(BatchKVCache.merge([z]))
+        return merged
+
+    worst = 0.0
+    for make, first, leave in ((lambda: read(250, 7), [11], None), (batch, [11, 12, 13], 6)):
+        ours, theirs = make(), make()
+        y_ours = y_theirs = mx.array(first)
+        for step in range(12):
+            if step == leave:
+                for c in ours + theirs:
+                    c.filter([0, 2])
+                y_ours, y_theirs = y_ours[mx.array([0, 2])], y_theirs[mx.array([0, 2])]
+            expected = model(y_theirs[:, None], cache=theirs)[:, -1, :]
+            got = traced.step(y_ours, ours)
+            worst = max(worst, mx.max(mx.abs(got - expected)).item())
+            y_ours, y_theirs = mx.argmax(got, axis=-1), mx.argmax(expected, axis=-1)
+            assert y_ours.tolist() == y_theirs.tolist()
+        assert ours[0].keys.shape[2] == 512  # the buffers grew past 256
+    assert traced.steps == 24
+    assert worst <= 1e-4, worst
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])

@@ -155,12 +155,15 @@ def test_eight_batched_sequences_match_their_solo_runs_on_the_gpu(checkpoints):
         engine.close()
 
 
+@pytest.mark.parametrize("rows,bounded", [(6, False), (1, False), (6, True), (1, True)])
 @pytest.mark.parametrize("heads,kv_heads,size,keys,dtype", [
     (14, 2, 64, 700, "float16"), (28, 4, 128, 37, "float16"), (8, 8, 96, 300, "bfloat16"), (4, 4, 64, 129, "float32")])
-def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_heads, size, keys, dtype):
+def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_heads, size, keys, dtype, rows,
+                                                                   bounded):
     """engines/mlx_attention.py against mx.fast.scaled_dot_product_attention with the left-padding
     mask: every row from its own start, keys read as a view of a larger buffer (as a cache holds
-    them), grouped heads."""
+    them), grouped heads; one row (32 warps a block) and six; ``bounded``: the whole buffer given
+    and the last position to read as an array (a traced step, engines/mlx_compiled.py)."""
     import mlx.core as mx
 
     from mesh_llm.engines.mlx_attention import decode_attention
@@ -168,13 +171,17 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
     if not mx.cuda.is_available():
         pytest.skip("the fused kernel is CUDA's")
     dt = getattr(mx, dtype)
-    rows = 6
     q = mx.random.normal((rows, heads, 1, size), key=mx.random.key(1)).astype(dt)
-    k = mx.random.normal((rows, kv_heads, keys + 200, size), key=mx.random.key(2)).astype(dt)[:, :, :keys]
-    v = mx.random.normal((rows, kv_heads, keys + 200, size), key=mx.random.key(3)).astype(dt)[:, :, :keys]
-    starts = mx.array([0, keys - 1, keys // 2, 1, keys // 3, 0], dtype=mx.int32)
+    k_all = mx.random.normal((rows, kv_heads, keys + 200, size), key=mx.random.key(2)).astype(dt)
+    v_all = mx.random.normal((rows, kv_heads, keys + 200, size), key=mx.random.key(3)).astype(dt)
+    k, v = k_all[:, :, :keys], v_all[:, :, :keys]
+    starts = mx.array([0, keys - 1, keys // 2, 1, keys // 3, 0][:rows], dtype=mx.int32)
     mask = mx.arange(keys)[None, None, None, :] >= starts[:, None, None, None]
-    fused = decode_attention(q, k, v, size ** -0.5, starts).astype(mx.float32)
+    if bounded:
+        write = mx.array([keys - 1], dtype=mx.int32)
+        fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, write).astype(mx.float32)
+    else:
+        fused = decode_attention(q, k, v, size ** -0.5, starts).astype(mx.float32)
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=size ** -0.5, mask=mask).astype(mx.float32)
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
     assert mx.max(mx.abs(fused - reference)).item() <= tolerance

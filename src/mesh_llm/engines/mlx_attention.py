@@ -6,7 +6,7 @@ backend has a fused attention kernel for one query per row (``sdpa_vector``) but
 array, so a masked step falls back to separate kernels per layer (scores, mask, softmax, product) and
 a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H200,
 ``benchmarks/gpu_mlx_step.py``). :func:`decode_attention` is that fused kernel with each row's start
-as an input: one thread block per (row, query head), eight warps walking the row's keys with an
+as an input: one thread block per (row, query head), 8 or 32 warps walking the row's keys with an
 online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
 on an architecture whose decode masks are known to be left padding alone: ``_VETTED``) and leaves
@@ -23,7 +23,10 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mesh_llm.engines.mlx_compiled import StepKV
 
-_WARPS = 8
+# Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
+# multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
+# layer against 20 and 22 for MLX's own one-row kernel: benchmarks/results/h200-host-20261203/), else 8.
+_WARPS_FEW, _WARPS_MANY, _FEW_BLOCKS = 32, 8, 128
 _HEAD_SIZES = (64, 96, 128, 256)
 # mlx-lm architectures read: each layer holding a plain KV cache masks only its rows' left padding in
 # a decode step (sliding-window layers hold rotating caches, which this never takes). Elsewhere a mask
@@ -106,13 +109,14 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
             ensure_row_contiguous=False,  # a cache's keys are a view of its buffer: read in place
         )
     batch, heads, _, size = queries.shape
+    warps = _WARPS_FEW if batch * heads <= _FEW_BLOCKS else _WARPS_MANY
     inputs = [queries, keys, values, starts.astype(mx.int32), mx.array([scale], dtype=mx.float32)]
     (out,) = _kernels[dynamic](
         inputs=inputs + ([write] if dynamic else []),
         template=[("T", queries.dtype), ("HQ", heads), ("HKV", keys.shape[1]), ("D", size),
-                  ("WARPS", _WARPS)],
-        grid=(batch * heads * 32 * _WARPS, 1, 1),
-        threadgroup=(32 * _WARPS, 1, 1),
+                  ("WARPS", warps)],
+        grid=(batch * heads * 32 * warps, 1, 1),
+        threadgroup=(32 * warps, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
     )

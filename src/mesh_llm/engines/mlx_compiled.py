@@ -57,6 +57,7 @@ class CompiledDecode:
     def __init__(self, model):
         self._model = model
         self._traced = mx.compile(self._forward)
+        self.steps = 0  # taken so far (tests check that the traced path ran)
 
     def _forward(self, inputs: mx.array, positions: mx.array, write: mx.array, starts: mx.array,
                  *buffers: mx.array) -> tuple[mx.array, ...]:
@@ -66,6 +67,7 @@ class CompiledDecode:
         return (logits, *(a for c in caches for a in (c.keys, c.values)))
 
     def step(self, inputs: mx.array, caches: list[Any]) -> mx.array:
+        self.steps += 1
         first = caches[0]
         if isinstance(first, BatchKVCache):
             written, positions, starts = first._idx, first.offset, first.left_padding
