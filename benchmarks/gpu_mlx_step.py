@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams  # noqa: E402
 from mesh_llm.engines.mlx import MLXEngine  # noqa: E402
+from mesh_llm.engines import mlx_attention  # noqa: E402
 from mesh_llm.engines.mlx_compiled import CompiledDecode  # noqa: E402
 
 
@@ -160,7 +161,9 @@ def main() -> None:
                         help="only this one-stream loop, twice (for a sampling profiler)")
     args = parser.parse_args()
     engine = MLXEngine.load(args.model, EngineOptions(ctx_size=4096, cache_bytes=0, max_batch=8))
-    model, traced = engine._model, engine._compiled or CompiledDecode(engine._model)  # noqa: SLF001
+    model = engine._model  # noqa: SLF001
+    mlx_attention.install(model, traced=True)
+    traced = engine._compiled or CompiledDecode(model)  # noqa: SLF001
     prompts = [[(7 * i + 13 * j) % 1000 + 10 for j in range(args.prompt)] for i in range(8)]
     engine._compiled = None  # noqa: SLF001
     if args.only:

@@ -33,7 +33,6 @@
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
-#      then carry [".device/elf"]        bash benchmarks/gpu_session.sh host-spy  # py-spy of one-stream loops
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
@@ -93,8 +92,10 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   python3 -c "import matplotlib.font_manager" || true
 }
 
-mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b)
-  source .device/b/install-mlx.sh
+mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b; a
+  # later call on the same machine may carry .device/x instead: wheels the server needs, e.g. llguidance)
+  if [ -f .device/b/install-mlx.sh ]; then source .device/b/install-mlx.sh; else export PYTHONPATH=/tmp/site; fi
+  ls .device/x/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl
   export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
 }
 
@@ -390,26 +391,17 @@ host)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b")
   [ "${GPU_TESTS:-1}" = 0 ] || MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 200 python3 -m pytest -q -s \
     -p no:cacheprovider tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -8 || true
   ;;
-conc-traced)  # carry [".device/b"] or [] after host: mesh-mlx through HTTP with its decode steps traced
-  # (MESH_LLM_COMPILED_DECODE=1, the GPU default) and not (=0), alternated: 0.5B at 1 and 8 streams, 7B at 1
+conc-traced)  # carry [".device/b"], or [".device/x"] on a machine where host ran: mesh-mlx through HTTP with its decode steps traced
+  # (MESH_LLM_COMPILED_DECODE=1, an opt-in) and not (=0), in the order ORDER gives: 0.5B at 1 and 8 streams, 7B at 1
   mlx_env
   mkdir -p "$conc"
-  for t in 1 0; do
+  for t in ${ORDER:-1 0}; do
     echo "== MESH_LLM_COMPILED_DECODE=$t"
     MESH_LLM_COMPILED_DECODE=$t TAG=-traced$t RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
     MESH_LLM_COMPILED_DECODE=$t TAG=-traced$t RUNS=${RUNS:-2} run_conc qwen2.5-7b 1 mesh-mlx 70
   done
   for f in "$conc"/*traced*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-traced-logs.tar.gz
-  ;;
-host-spy)  # carry [".device/elf"], after host: the one-stream hand loop and the engine's one-stream
-  # steps on the 7B shape, each sampled by py-spy with native frames (collapsed stacks to $OUT)
-  export PYTHONFAULTHANDLER=1 PYTHONPATH=$root/src:/tmp/site PYTHONUNBUFFERED=1
-  for only in hand engine; do
-    timeout 150 .device/elf/py-spy record --native -r 400 -f raw -o "$OUT/7b-$only.txt" -- \
-      python3 benchmarks/gpu_mlx_step.py "$models/qwen2.5-7b-mlx" --tokens 256 --only $only 2>&1 | tail -3 || true
-    python3 benchmarks/stacks.py "$OUT/7b-$only.txt" 2>&1 | tail -30 || true
-  done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
   # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)

@@ -471,3 +471,17 @@ def test_the_fused_decode_attention_takes_only_one_query_over_a_batch_cache():
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
         "num_attention_heads": 4, "rms_norm_eps": 1e-5, "vocab_size": 32}))) is mx.cuda.is_available()
     assert (llama.scaled_dot_product_attention is before) is not mx.cuda.is_available()
+
+
+def test_a_traced_step_refuses_a_model_whose_attention_is_not_routed():
+    """Without mlx_attention's routing, mlx-lm's attention would read a traced step's whole buffer,
+    unwritten positions included: refused at once instead."""
+    from mlx_lm.models import qwen2
+
+    from mesh_llm.engines.mlx_compiled import CompiledDecode
+
+    model = qwen2.Model(qwen2.ModelArgs.from_dict({
+        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 32}))
+    with pytest.raises(ValueError, match="routed"):
+        CompiledDecode(model)

@@ -147,7 +147,7 @@ class MLXEngine(Engine):
         kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
-        traced = os.environ.get("MESH_LLM_COMPILED_DECODE", "1" if on_gpu() else "0") != "0"
+        traced = os.environ.get("MESH_LLM_COMPILED_DECODE", "0") == "1"  # an experiment: README, "MLX on a GPU"
         routed = mlx_attention.install(model, traced)
         traced = routed and traced
         if routed and mlx_attention.fused_here():

@@ -9,8 +9,9 @@ a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H20
 as an input: one thread block per (row, query head), 8 or 32 warps walking the row's keys with an
 online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
-on an architecture whose decode masks are known to be left padding alone: ``_VETTED``) and leaves
-every other call to mlx-lm.
+on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a traced
+decode step's (``mlx_compiled.StepKV``, any device) to :func:`attend`; every other call stays
+mlx-lm's.
 """
 
 from __future__ import annotations

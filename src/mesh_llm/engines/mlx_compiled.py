@@ -1,13 +1,18 @@
-"""A decode step traced once per shape (``mx.compile``) and replayed, so a token costs no Python.
+"""A decode step traced once per shape (``mx.compile``) and replayed, so a token costs less Python.
 
-On a GPU the MLX engine's one-stream decode is bound by the host, not the device: building a step's
-graph in Python and handing it to MLX took longer than the GPU took to run it (README, "MLX on a
-GPU"). A compiled step is built in C++ from its trace. It needs shapes that stay put: mlx-lm's layer
-caches hand attention their buffers cut to the tokens written so far, a new shape every token. Here
-the step writes its keys and values at a position held in an array and attention reads the whole
-buffer, each row from its first own position (after its left padding) to the one just written. Shapes
-change when a buffer grows (``STEP`` positions at a time) or rows join or leave; each shape is traced
-once per process.
+An opt-in (``MESH_LLM_COMPILED_DECODE=1``). On the H200 one MLX stream of a small model is bound by
+the host: the GPU ran the 0.5B shape's 412 kernels a token in 1.9 ms while building the step's graph
+took 1.1-2.2 ms and handing it to MLX 2.6-5.5 ms. A replayed trace halves the building, but writing
+at a position held in an array adds two kernels per KV write, and attention over the whole buffer
+runs our kernel instead of MLX's faster one-row kernel. So it gained where the host was the bound
+(one 0.5B stream through the server: 1.15x and 1.31x) and lost where the GPU was (7B: 0.84-1.06x).
+Figures: ``benchmarks/results/h200-host-20261203/``.
+
+It needs shapes that stay put. mlx-lm's layer caches hand attention their buffers cut to the tokens
+written so far, a new shape every token. Here the step writes its keys and values at a position
+held in an array, and attention reads the whole buffer, each row from its first own position (after
+its left padding) to the one just written. Shapes change when a buffer grows (``STEP`` positions at
+a time) or rows join or leave; each shape is traced once per process.
 
 It applies to a decode group whose layers all hold plain KV caches (one row's ``KVCache`` or a
 ``BatchKVCache``), on an architecture whose attention ``mlx_attention`` routes (``_VETTED``). The
@@ -17,6 +22,7 @@ prompt cache as before.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -55,6 +61,10 @@ class CompiledDecode:
     row and leaves ``caches`` one position longer."""
 
     def __init__(self, model):
+        module = sys.modules.get(type(model).__module__)
+        if not hasattr(getattr(module, "scaled_dot_product_attention", None), "mesh_llm_original"):
+            raise ValueError("a traced step needs the model's attention routed first "
+                             "(mlx_attention.install(model, traced=True))")
         self._model = model
         self._traced = mx.compile(self._forward)
         self.steps = 0  # taken so far (tests check that the traced path ran)
