@@ -33,6 +33,8 @@
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
+#      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-traced  # the traced step through HTTP
+#      (.device/x: the llguidance wheel, which the server imports; MLX is already installed by then)
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
