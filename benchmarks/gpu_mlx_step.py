@@ -28,22 +28,27 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams  # noqa: E402
-from mesh_llm.engines.mlx import MLXEngine  # noqa: E402
 from mesh_llm.engines import mlx_attention  # noqa: E402
+from mesh_llm.engines.mlx import MLXEngine  # noqa: E402
 from mesh_llm.engines.mlx_compiled import CompiledDecode  # noqa: E402
 
 
-def hand_loop(model, prompt: list[int], tokens: int, traced: CompiledDecode | None = None) -> dict:
+def one_stream(model, prompt: list[int], traced: CompiledDecode | None):
+    """A prompt read into fresh caches; returns a greedy decode step (mlx-lm's model, or ``traced``)
+    and its first input."""
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
     mx.eval([c.state for c in cache])
-    y = mx.array(prompt[-1:])
 
     def forward(y):
         logits = traced.step(y, cache) if traced else model(y[:, None], cache=cache)[:, -1, :]
         return mx.argmax(logits, axis=-1)
 
-    split = pipelined_steps(forward, y, tokens)
+    return forward, mx.array(prompt[-1:])
+
+
+def hand_loop(model, prompt: list[int], tokens: int, traced: CompiledDecode | None = None) -> dict:
+    split = pipelined_steps(*one_stream(model, prompt, traced), tokens)
     name = "traced step" if traced else "mlx-lm model"
     return {"case": f"hand loop ({name}, argmax, pipelined)", **split}
 
@@ -78,15 +83,7 @@ def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None
     every kernel in the process, MLX's included): synchronous steps, so nothing else overlaps."""
     import torch  # noqa: PLC0415 - only here: a profiler, imported after MLX has its kernels
 
-    cache = make_prompt_cache(model)
-    model(mx.array(prompt[:-1])[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    y = mx.array(prompt[-1:])
-
-    def forward(y):
-        logits = traced.step(y, cache) if traced else model(y[:, None], cache=cache)[:, -1, :]
-        return mx.argmax(logits, axis=-1)
-
+    forward, y = one_stream(model, prompt, traced)
     for _ in range(8):
         y = forward(y)
         mx.eval(y)
