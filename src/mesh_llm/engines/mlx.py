@@ -147,7 +147,9 @@ class MLXEngine(Engine):
         kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
-        traced = os.environ.get("MESH_LLM_COMPILED_DECODE", "0") == "1"  # an experiment: README, "MLX on a GPU"
+        # An experiment, on a GPU only (README, "MLX on a GPU"); a CPU's mx.compile also needs a C++
+        # compiler at run time, and its tests build the engine with traced=True.
+        traced = on_gpu() and os.environ.get("MESH_LLM_COMPILED_DECODE", "0") == "1"
         routed = mlx_attention.install(model, traced)
         traced = routed and traced
         if routed and mlx_attention.fused_here():
