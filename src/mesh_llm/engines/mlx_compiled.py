@@ -1,7 +1,7 @@
 """A decode step traced once per shape (``mx.compile``) and replayed, so a token costs less Python.
 
-An opt-in on a GPU (``MESH_LLM_COMPILED_DECODE=1``). On the H200 one MLX stream of a small model is bound by
-the host: the GPU ran the 0.5B shape's 412 kernels a token in 1.9 ms while building the step's graph
+An opt-in on a GPU (``MESH_LLM_COMPILED_DECODE=1``). On the H200 one MLX stream of a small model is
+bound by the host: the GPU ran the 0.5B shape's 412 kernels a token in 1.9 ms while building the step's graph
 took 1.1-2.2 ms and handing it to MLX 2.6-5.5 ms. A replayed trace halves the building, but writing
 at a position held in an array adds two kernels per KV write, and attention over the whole buffer
 runs our kernel instead of MLX's faster one-row kernel. So it gained where the host was the bound
