@@ -34,6 +34,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-traced  # the traced step through HTTP
+#                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections (an experiment)
 #      (.device/x: the llguidance wheel, which the server imports; MLX is already installed by then)
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
@@ -404,6 +405,13 @@ conc-traced)  # carry [".device/b"], or [".device/x"] on a machine where host ra
   done
   for f in "$conc"/*traced*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-traced-logs.tar.gz
+  ;;
+fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up projections against
+  # mlx-lm's separate ones, one stream, alternated (benchmarks/gpu_fused_proj.py, an experiment)
+  mlx_env
+  wait_model qwen2.5-0.5b
+  timeout 240 python3 benchmarks/gpu_fused_proj.py "$models/qwen2.5-0.5b-mlx" --tokens "${TOKENS:-96}" \
+    2>&1 | tee "$OUT/fused-proj-0.5b.txt" | tail -12 || true
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
   # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)
