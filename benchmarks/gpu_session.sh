@@ -33,8 +33,8 @@
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
-#      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-traced  # the traced step through HTTP
-#                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections (an experiment)
+#      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
+#                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports; MLX is already installed by then)
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
@@ -394,20 +394,25 @@ host)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b")
   [ "${GPU_TESTS:-1}" = 0 ] || MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 200 python3 -m pytest -q -s \
     -p no:cacheprovider tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -8 || true
   ;;
-conc-traced)  # carry [".device/b"], or [".device/x"] on a machine where host ran: mesh-mlx through HTTP with its decode steps traced
-  # (MESH_LLM_COMPILED_DECODE=1, an opt-in) and not (=0), in the order ORDER gives: 0.5B at 1 and 8 streams, 7B at 1
+conc-ab)  # carry [".device/b"], or [".device/x"] on a machine where host ran: mesh-mlx through HTTP with
+  # one setting on (=1) and off (=0), in the order ORDER gives ("1 0"): AB_VAR names it,
+  # MESH_LLM_FUSED_PROJECTIONS by default (MESH_LLM_COMPILED_DECODE gave h200-host-20261203/http-*);
+  # 0.5B at LEVELS_05 (1,8) streams, 7B at LEVELS_7B (1)
   mlx_env
   mkdir -p "$conc"
+  var=${AB_VAR:-MESH_LLM_FUSED_PROJECTIONS}
   for t in ${ORDER:-1 0}; do
-    echo "== MESH_LLM_COMPILED_DECODE=$t"
-    MESH_LLM_COMPILED_DECODE=$t TAG=-traced$t RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
-    MESH_LLM_COMPILED_DECODE=$t TAG=-traced$t RUNS=${RUNS:-2} run_conc qwen2.5-7b 1 mesh-mlx 70
+    echo "== $var=$t"
+    export "$var=$t"
+    TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
+    TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-7b "${LEVELS_7B:-1}" mesh-mlx 70
+    unset "$var"
   done
-  for f in "$conc"/*traced*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
-  logs_to_out conc-traced-logs.tar.gz
+  for f in "$conc"/*-ab[01]/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
+  logs_to_out conc-ab-logs.tar.gz
   ;;
-fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up projections against
-  # mlx-lm's separate ones, one stream, alternated (benchmarks/gpu_fused_proj.py, an experiment)
+fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up projections (the engine's
+  # GPU default) against mlx-lm's separate ones, one stream, alternated (benchmarks/gpu_fused_proj.py)
   mlx_env
   wait_model qwen2.5-0.5b
   timeout 240 python3 benchmarks/gpu_fused_proj.py "$models/qwen2.5-0.5b-mlx" --tokens "${TOKENS:-96}" \
