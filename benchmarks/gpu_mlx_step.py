@@ -34,8 +34,8 @@ from mesh_llm.engines.mlx_compiled import CompiledDecode  # noqa: E402
 
 
 def one_stream(model, prompt: list[int], traced: CompiledDecode | None):
-    """A prompt read into fresh caches; returns a greedy decode step (mlx-lm's model, or ``traced``)
-    and its first input."""
+    """A prompt read into fresh caches; returns a greedy decode step (the model as the engine loaded
+    it, or ``traced``) and its first input."""
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
     mx.eval([c.state for c in cache])
@@ -49,7 +49,7 @@ def one_stream(model, prompt: list[int], traced: CompiledDecode | None):
 
 def hand_loop(model, prompt: list[int], tokens: int, traced: CompiledDecode | None = None) -> dict:
     split = pipelined_steps(*one_stream(model, prompt, traced), tokens)
-    name = "traced step" if traced else "mlx-lm model"
+    name = "traced step" if traced else "model step"
     return {"case": f"hand loop ({name}, argmax, pipelined)", **split}
 
 
@@ -96,7 +96,7 @@ def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None
     top: dict[str, float] = {}
     for e in events:
         top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
-    name = "traced step" if traced else "mlx-lm model"
+    name = "traced step" if traced else "model step"
     return {"case": f"kernels ({name})", "kernels_per_step": len(events) / tokens,
             "gpu_ms_per_step": busy / tokens / 1000,
             "top": sorted(((n, t / tokens) for n, t in top.items()), key=lambda p: -p[1])[:12]}
@@ -176,7 +176,7 @@ def main() -> None:
         for compiled in (None, traced):
             engine._compiled = compiled  # noqa: SLF001 - groups made from now on take it
             for n in (1, 2, 8):
-                label = f"engine, {n} seq{'s' if n > 1 else ''}, {'traced' if compiled else 'mlx-lm'}"
+                label = f"engine, {n} seq{'s' if n > 1 else ''}, {'traced' if compiled else 'model step'}"
                 rows.append(engine_steps(engine, prompts[:n], args.tokens, label))
     print("| case | step ms | build or launch ms | submit ms | read ms | tok/s |")
     print("| --- | --- | --- | --- | --- | --- |")
