@@ -1,5 +1,5 @@
 """engines/mlx_projections.py: q/k/v and gate/up computed as one product each, against the separate
-products, on the embedded SmolLM2 (llama) and tiny random qwen2 and llama layers with biases: the
+products, on the embedded SmolLM2 (llama) and tiny random qwen2, llama and qwen3 layers: the
 same logits up to float32 rounding, the same greedy tokens, memory unchanged; quantized layers,
 other architectures and the switch left alone. The engine fuses on a GPU (where the H200 gave float16
 logits bit for bit equal); here the tests fuse by hand."""
@@ -61,9 +61,14 @@ def test_the_embedded_model_fused_gives_the_separate_products_logits():
     ("llama", {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
                "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97,
                "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
+    ("qwen3", {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+               "vocab_size": 97, "max_position_embeddings": 512, "rope_theta": 1e6,
+               "tie_word_embeddings": True}),
 ])
 def test_layers_with_biases_fused_decode_as_before(kind, config):
-    """Prompt then decode steps through a KV cache, fused against separate, biases included."""
+    """Prompt then decode steps through a KV cache, fused against separate: biases (qwen2, llama's
+    optional ones), each head's q and k norm (qwen3), a head size other than hidden / heads."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache

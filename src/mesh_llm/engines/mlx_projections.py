@@ -14,8 +14,8 @@ On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call (``benchmark
 The weights are concatenated once at load, before they are read, and the separate ones dropped, so
 memory does not grow. The engine does it on a GPU only: a CPU's step is bound by arithmetic, and
 there the fused product rounds differently (float32 logits within 3.5e-6 of their size, measured on
-the embedded SmolLM2), so the CPU keeps its results as they were. Only mlx-lm's own llama and qwen2 ``Attention`` and ``MLP`` with float
-weights are re-stated here (``_MODULES``); every other layer is left as it is.
+the embedded SmolLM2), so the CPU keeps its results as they were. Only mlx-lm's own llama, qwen2 and qwen3 ``Attention`` and ``MLP`` with
+float weights are re-stated here (``_MODULES``); every other layer is left as it is.
 ``MESH_LLM_FUSED_PROJECTIONS=0`` keeps them separate.
 """
 
@@ -29,8 +29,8 @@ from mlx import nn
 from mlx_lm.models.activations import swiglu
 
 # mlx-lm model modules whose Attention and MLP __call__ are re-stated below (mistral models load
-# through llama's module)
-_MODULES = frozenset({"llama", "qwen2"})
+# through llama's module; qwen3's attention adds a norm of each head's q and k)
+_MODULES = frozenset({"llama", "qwen2", "qwen3"})
 _fused_classes: dict[type, type] = {}
 
 
@@ -75,11 +75,14 @@ def _fused_class(base: type, members: dict) -> type:
 
 
 def _attention(self, x: mx.array, mask=None, cache=None) -> mx.array:
-    """mlx-lm's llama and qwen2 attention, q, k and v taken from one product."""
+    """mlx-lm's llama, qwen2 and qwen3 attention, q, k and v taken from one product."""
     batch, length, _ = x.shape
     q, k, v = mx.split(self.qkv_proj(x), self.qkv_split, axis=-1)
-    queries = q.reshape(batch, length, self.n_heads, -1).transpose(0, 2, 1, 3)
-    keys = k.reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    queries = q.reshape(batch, length, self.n_heads, -1)
+    keys = k.reshape(batch, length, self.n_kv_heads, -1)
+    if "q_norm" in self:  # qwen3
+        queries, keys = self.q_norm(queries), self.k_norm(keys)
+    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
     values = v.reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
         queries = self.rope(queries, offset=cache.offset)
