@@ -6,7 +6,8 @@ biased cuBLASLt product more, and a llama or qwen2 layer runs 17 kernels a token
 v as one product (one ``Linear`` over the concatenated weights, then split into views) and gate and
 up as another leaves 14.
 
-On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call (``benchmarks/gpu_fused_proj.py``):
+On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call
+(``benchmarks/gpu_fused_proj.py``, ``benchmarks/results/h200-host-20261203/machine-d/``):
 - kernels a token: 412 → 340; their GPU time 1.91 → 1.49 ms;
 - a step: 5.09 → 3.31 ms and 4.18 → 3.11 ms (197 → 302 and 239 → 321 tok/s);
 - logits bit for bit the same in float16.
@@ -14,9 +15,9 @@ On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call (``benchmark
 The weights are concatenated once at load, before they are read, and the separate ones dropped, so
 memory does not grow. The engine does it on a GPU only: a CPU's step is bound by arithmetic, and
 there the fused product rounds differently (float32 logits within 3.5e-6 of their size, measured on
-the embedded SmolLM2), so the CPU keeps its results as they were. Only mlx-lm's own llama, qwen2 and qwen3 ``Attention`` and ``MLP`` with
-float weights are re-stated here (``_MODULES``); every other layer is left as it is.
-``MESH_LLM_FUSED_PROJECTIONS=0`` keeps them separate.
+the embedded SmolLM2), so the CPU keeps its results as they were. Only mlx-lm's own llama, qwen2
+and qwen3 ``Attention`` and ``MLP`` with float weights are re-stated here (``_MODULES``); every
+other layer is left as it is. ``MESH_LLM_FUSED_PROJECTIONS=0`` keeps them separate.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def fuse_projections(model: nn.Module) -> int:
     fused = 0
     for layer in getattr(getattr(model, "model", None), "layers", ()):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(attn) is not getattr(module, "Attention", None) or type(mlp) is not getattr(module, "MLP", None):
+        if (type(attn) is not getattr(module, "Attention", None)
+                or type(mlp) is not getattr(module, "MLP", None)):
             continue
         parts = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
         if any(type(p) is not nn.Linear for p in parts):  # quantized: left as it is
