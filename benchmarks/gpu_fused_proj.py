@@ -58,7 +58,8 @@ def main() -> None:
     if mx.cuda.is_available():
         for name, m in (("separate", plain), ("fused", fused)):
             k = kernels(m, prompt, 32, None)
-            print(f"{name}: {k['kernels_per_step']:.0f} kernels, {k['gpu_ms_per_step']:.2f} ms of kernels a step")
+            print(f"{name}: {k['kernels_per_step']:.0f} kernels, "
+                  f"{k['gpu_ms_per_step']:.2f} ms of kernels a step")
 
 
 if __name__ == "__main__":
