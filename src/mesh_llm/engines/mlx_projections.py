@@ -1,5 +1,5 @@
 """Projections that read the same input, computed as one product: q, k and v in attention, gate and
-up in the MLP.
+up in the MLP; and q and k given their rotary embedding in one call.
 
 On a GPU, MLX's one-stream decode is bound by the host. A kernel costs 6-13 µs to hand over, a
 biased cuBLASLt product more, and a llama or qwen2 layer runs 17 kernels a token. Computing q, k and
@@ -11,6 +11,8 @@ On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call
 - kernels a token: 412 → 340; their GPU time 1.91 → 1.49 ms;
 - a step: 5.09 → 3.31 ms and 4.18 → 3.11 ms (197 → 302 and 239 → 321 tok/s);
 - logits bit for bit the same in float16.
+One rotary embedding for q and k together (llama, qwen2: no per-head norm between) came after that
+run and is not measured yet: 340 → 316 kernels a token predicted.
 
 The weights are concatenated once at load, before they are read, and the separate ones dropped, so
 memory does not grow. The engine does it on a GPU only: a CPU's step is bound by arithmetic, and
@@ -52,8 +54,7 @@ def fuse_projections(model: nn.Module) -> int:
         parts = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
         if any(type(p) is not nn.Linear for p in parts):  # quantized: left as it is
             continue
-        queries, keys = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        attn.qkv_proj, attn.qkv_split = _concatenated(parts[:3]), [queries, queries + keys]
+        attn.qkv_proj, attn.head_size = _concatenated(parts[:3]), attn.q_proj.weight.shape[0] // attn.n_heads
         mlp.gate_up_proj = _concatenated(parts[3:])
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
         attn.__class__ = _fused_class(type(attn), {"__call__": _attention, "_module": module})
@@ -77,21 +78,21 @@ def _fused_class(base: type, members: dict) -> type:
 
 
 def _attention(self, x: mx.array, mask=None, cache=None) -> mx.array:
-    """mlx-lm's llama, qwen2 and qwen3 attention, q, k and v taken from one product."""
+    """mlx-lm's llama, qwen2 and qwen3 attention, with q, k and v taken from one product, and q and
+    k given their rotary embedding in one call where no per-head norm (qwen3's) comes between."""
     batch, length, _ = x.shape
-    q, k, v = mx.split(self.qkv_proj(x), self.qkv_split, axis=-1)
-    queries = q.reshape(batch, length, self.n_heads, -1)
-    keys = k.reshape(batch, length, self.n_kv_heads, -1)
+    heads = self.qkv_proj(x).reshape(batch, length, -1, self.head_size)  # q, k and v heads in a row
+    offset = cache.offset if cache is not None else 0
+    n, kv = self.n_heads, self.n_heads + self.n_kv_heads
     if "q_norm" in self:  # qwen3
-        queries, keys = self.q_norm(queries), self.k_norm(keys)
-    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
-    values = v.reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if cache is not None:
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
+        queries = self.rope(self.q_norm(heads[:, :, :n]).transpose(0, 2, 1, 3), offset=offset)
+        keys = self.rope(self.k_norm(heads[:, :, n:kv]).transpose(0, 2, 1, 3), offset=offset)
     else:
-        queries, keys = self.rope(queries), self.rope(keys)
+        qk = self.rope(heads[:, :, :kv].transpose(0, 2, 1, 3), offset=offset)
+        queries, keys = qk[:, :n], qk[:, n:]
+    values = heads[:, :, kv:].transpose(0, 2, 1, 3)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
     # the module's own function, looked up now: mlx_attention may have routed it
     out = self._module.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
                                                     mask=mask)
