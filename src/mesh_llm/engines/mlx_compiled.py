@@ -79,27 +79,22 @@ class CompiledDecode:
     def step(self, inputs: mx.array, caches: list[Any]) -> mx.array:
         self.steps += 1
         first = caches[0]
-        if isinstance(first, BatchKVCache):
+        batched = isinstance(first, BatchKVCache)  # else one row's KVCache
+        if batched:
             written, positions, starts = first._idx, first.offset, first.left_padding
         else:
             written = first.offset
-            positions = starts = None
+            positions, starts = mx.array([written], dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
         for c in caches:
             _reserve(c, written)
-        if positions is None:
-            positions, starts = mx.array([written], dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)
         out = self._traced(inputs, positions.astype(mx.int32), mx.array([written], dtype=mx.int32),
                            starts.astype(mx.int32), *(a for c in caches for a in (c.keys, c.values)))
+        offset = positions + 1 if batched else written + 1  # one array for every layer's batch cache
         for i, c in enumerate(caches):
             c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
-            if isinstance(c, BatchKVCache):
+            c.offset = offset
+            if batched:
                 c._idx += 1
-            else:
-                c.offset += 1
-        if isinstance(first, BatchKVCache):
-            offset = first.offset + 1
-            for c in caches:
-                c.offset = offset
         return out[0]
 
 
