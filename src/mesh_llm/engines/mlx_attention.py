@@ -10,7 +10,7 @@ as an input: one thread block per (row, query head), 8 or 32 warps walking the r
 online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
 on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a traced
-decode step's (``mlx_compiled.StepKV``, any device) to :func:`attend`; every other call stays
+decode step's (:class:`StepKV`, ``mlx_compiled``, any device) to :func:`attend`; every other call stays
 mlx-lm's.
 """
 
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
-
-from mesh_llm.engines.mlx_compiled import StepKV
 
 # Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
 # multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
@@ -93,6 +92,25 @@ _SOURCE = """
 """
 
 _kernels: dict[bool, object] = {}
+
+
+class StepKV:
+    """A layer cache as a traced step (``mlx_compiled``) sees it: the whole buffer, the new
+    position written at ``write``; rows read from ``starts`` to ``write`` (:func:`attend`)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, write: mx.array,
+                 starts: mx.array):
+        self.keys, self.values = keys, values
+        self.offset = positions  # each row's position, for the rotary embedding
+        self.write, self.starts = write, starts
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.write, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.write, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, **_: Any) -> None:
+        return None  # attention masks by starts and write
 
 
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -183,3 +201,9 @@ def install(model, traced: bool = False) -> bool:
     attention.mesh_llm_original = original
     module.scaled_dot_product_attention = attention
     return True
+
+
+def routed(model) -> bool:
+    """Whether :func:`install` has routed the attention of ``model``'s architecture."""
+    module = sys.modules.get(type(model).__module__)
+    return hasattr(getattr(module, "scaled_dot_product_attention", None), "mesh_llm_original")

@@ -22,32 +22,14 @@ prompt cache as before.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mesh_llm.engines.mlx_attention import StepKV, routed
+
 STEP = 256  # positions a buffer grows by, as mlx-lm's caches do
-
-
-class StepKV:
-    """A layer cache as a traced step sees it: the whole buffer, the new position written at
-    ``write``; rows read from ``starts`` to ``write`` (``mlx_attention.attend``)."""
-
-    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, write: mx.array,
-                 starts: mx.array):
-        self.keys, self.values = keys, values
-        self.offset = positions  # each row's position, for the rotary embedding
-        self.write, self.starts = write, starts
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.write, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.write, axes=(2,))
-        return self.keys, self.values
-
-    def make_mask(self, n: int, **_: Any) -> None:
-        return None  # attention masks by starts and write
 
 
 def traceable(caches: list[Any]) -> bool:
@@ -61,8 +43,7 @@ class CompiledDecode:
     row and leaves ``caches`` one position longer."""
 
     def __init__(self, model):
-        module = sys.modules.get(type(model).__module__)
-        if not hasattr(getattr(module, "scaled_dot_product_attention", None), "mesh_llm_original"):
+        if not routed(model):
             raise ValueError("a traced step needs the model's attention routed first "
                              "(mlx_attention.install(model, traced=True))")
         self._model = model
