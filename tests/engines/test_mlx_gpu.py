@@ -185,3 +185,56 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=size ** -0.5, mask=mask).astype(mx.float32)
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
     assert mx.max(mx.abs(fused - reference)).item() <= tolerance
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 896), (3, 5, 3584), (2, 64)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_fused_residual_sum_and_norm_match_mlxs(shape, dtype):
+    """engines/mlx_fused.py's one kernel for ``x + r`` and its RMS norm, against MLX's addition and
+    ``mx.fast.rms_norm``: the sum bit for bit, the norm within a rounding of its size (the sum of
+    squares is added in another order)."""
+    import mlx.core as mx
+    from mlx import nn
+
+    from mesh_llm.engines.mlx_fused import add_rms_norm
+
+    if not mx.cuda.is_available():
+        pytest.skip("the fused kernel is CUDA's")
+    dt = getattr(mx, dtype)
+    x = (mx.random.normal(shape, key=mx.random.key(1)) * 4).astype(dt)
+    r = mx.random.normal(shape, key=mx.random.key(2)).astype(dt)
+    norm = nn.RMSNorm(shape[-1], eps=1e-6)
+    norm.weight = (1 + mx.random.normal(shape[-1:], key=mx.random.key(3)) / 4).astype(dt)
+    h, y = add_rms_norm(x, r, norm)
+    assert h.dtype == y.dtype == dt and h.shape == y.shape == x.shape
+    assert mx.array_equal(h, x + r).item()
+    reference = mx.fast.rms_norm(x + r, norm.weight, 1e-6).astype(mx.float32)
+    error = mx.max(mx.abs(y.astype(mx.float32) - reference)).item() / mx.max(mx.abs(reference)).item()
+    assert error <= {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype], error
+
+
+def test_a_model_with_fused_norms_gives_the_unfused_ones_tokens(checkpoints, monkeypatch):
+    """The engine's GPU default (sums and norms fused) against ``MESH_LLM_FUSED_NORMS=0`` on each
+    model of the batch test: logits within the tolerance of its dtype, greedy tokens equal up to a
+    near-tie (random weights have some: the unfused run's top two within that tolerance)."""
+    from mesh_llm.engines.mlx import MLXEngine
+
+    for name, path, tolerance in _batch_models(checkpoints):
+        fused = MLXEngine.load(path, EngineOptions(ctx_size=512, cache_bytes=0, warm_up=False))
+        monkeypatch.setenv("MESH_LLM_FUSED_NORMS", "0")
+        plain = MLXEngine.load(path, EngineOptions(ctx_size=512, cache_bytes=0, warm_up=False))
+        monkeypatch.delenv("MESH_LLM_FUSED_NORMS")
+        assert "norms" in fused.info().details and "norms" not in plain.info().details
+        rng = random.Random(name)
+        ids = [rng.randrange(3, min(fused.tokenizer.vocab_size, 300)) for _ in range(100)]
+        a = log_softmax(fused.score(ids).astype(np.float64))
+        b = log_softmax(plain.score(ids).astype(np.float64))
+        greedy = [[s.token for s in e.generate(ids, SamplingParams(temperature=0), 16)] for e in (fused, plain)]
+        parted = next((i for i, (x, y) in enumerate(zip(*greedy)) if x != y), None)
+        print(f"\n{name}: fused norms, max logprob error {np.abs(a - b).max():.1e}; greedy parts at {parted}")
+        assert np.abs(a - b).max() <= tolerance
+        if parted is not None:
+            top = np.sort(log_softmax(plain.score(ids + greedy[1][:parted])[-1].astype(np.float64)))
+            assert top[-1] - top[-2] <= tolerance, (parted, top[-1] - top[-2])
+        fused.close()
+        plain.close()
