@@ -34,7 +34,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
-#                                   (or)  bash benchmarks/gpu_session.sh fused-layers  # fused layers, one stream
+#                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
 #       pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 #       -d .device/x llguidance; MLX is already installed on the machine by then)
@@ -413,16 +413,12 @@ conc-ab)  # carry [".device/b"], or [".device/x"] on a machine where host ran: m
   for f in "$conc"/*-ab[01]/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-ab-logs.tar.gz
   ;;
-fused-layers)  # carry [".device/b"] or [".device/x"], after stage-mlx: the engine's fused layers (the GPU
-  # default: projections, and sums with norms) against mlx-lm's own, one stream, alternated
-  # (benchmarks/gpu_fused.py), on each shape of FUSED_SHAPES
+fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up projections (the engine's
+  # GPU default) against mlx-lm's separate ones, one stream, alternated (benchmarks/gpu_fused_proj.py)
   mlx_env
-  for shape in ${FUSED_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
-    wait_model "$shape"
-    echo "== $shape"
-    timeout 240 python3 benchmarks/gpu_fused.py "$models/$shape-mlx" --tokens "${TOKENS:-96}" \
-      2>&1 | tee "$OUT/fused-layers-$shape.txt" | tail -14 || true
-  done
+  wait_model qwen2.5-0.5b
+  timeout 240 python3 benchmarks/gpu_fused_proj.py "$models/qwen2.5-0.5b-mlx" --tokens "${TOKENS:-96}" \
+    2>&1 | tee "$OUT/fused-proj-0.5b.txt" | tail -12 || true
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
   # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)

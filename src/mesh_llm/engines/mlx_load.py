@@ -25,7 +25,7 @@ from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, loa
 
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
-from mesh_llm.engines.mlx_fused import fuse_norms, fuse_projections
+from mesh_llm.engines.mlx_projections import fuse_projections
 from mesh_llm.models.spec import home_dir
 
 log = logging.getLogger(__name__)
@@ -219,11 +219,8 @@ def load_any(path: Path, options: EngineOptions, progress=None):
     else:
         raise EngineError(f"{path}: no such file or folder")
     details = prepare(model, config, options, path)
-    if on_gpu():  # fewer kernels a token (engines/mlx_fused.py); a CPU's step is bound by arithmetic
-        if fused := fuse_projections(model):
-            details["projections"] = f"q/k/v and gate/up as one product each ({fused} layers)"
-        if fused := fuse_norms(model):
-            details["norms"] = f"each residual sum and its RMS norm in one kernel ({fused} layers)"
+    if on_gpu() and (fused := fuse_projections(model)):  # a CPU's step is bound by arithmetic
+        details["projections"] = f"q/k/v and gate/up as one product each ({fused} layers)"
     materialize(model, path, progress)
     ctx = options.ctx_size or text_config(config).get("max_position_embeddings") or DEFAULT_CONTEXT
     return model, config, tokenizer, fmt, details, int(ctx)

@@ -1,10 +1,8 @@
-"""engines/mlx_fused.py: q/k/v and gate/up computed as one product each, and each residual sum with
-the norm that reads it, against mlx-lm's own layers, on the embedded SmolLM2 (llama) and tiny random
-qwen2, llama and qwen3 layers: the same logits up to float32 rounding (the norms' path on a CPU is
-mlx-lm's own operations in another order of calls: equal bit for bit), the same greedy tokens, memory
-unchanged; quantized layers, other architectures, sliding windows and the switches left alone. The
-engine fuses on a GPU (where the H200 gave float16 logits bit for bit equal for the products); here
-the tests fuse by hand, and tests/engines/test_mlx_gpu.py checks the norms' CUDA kernel."""
+"""engines/mlx_projections.py: q/k/v and gate/up computed as one product each, against the separate
+products, on the embedded SmolLM2 (llama) and tiny random qwen2, llama and qwen3 layers: the
+same logits up to float32 rounding, the same greedy tokens, memory unchanged; quantized layers,
+other architectures and the switch left alone. The engine fuses on a GPU (where the H200 gave float16
+logits bit for bit equal); here the tests fuse by hand."""
 
 from __future__ import annotations
 
@@ -35,23 +33,19 @@ def test_the_embedded_model_fused_gives_the_separate_products_logits():
     (measured 3.5e-6), the same top token everywhere, the same greedy text."""
     import numpy as np
 
-    from mesh_llm.engines.mlx_fused import fuse_norms, fuse_projections
+    from mesh_llm.engines.mlx_projections import fuse_projections
     from mesh_llm.models import default_mlx_folder
     from mesh_llm.runtime.chat import encode_chat
 
     engine = MLXEngine.load(default_mlx_folder(), EngineOptions(ctx_size=1024, cache_bytes=0))
     try:
-        assert "projections" not in engine.info().details and "norms" not in engine.info().details  # a CPU
+        assert "projections" not in engine.info().details  # not on a CPU
         ids = encode_chat(engine.tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
         greedy = SamplingParams(temperature=0)
         before, text = engine.score(ids), [s.token for s in engine.generate(ids, greedy, 12)]
         size = param_bytes(engine._model)
-        layers = len(engine._model.model.layers)
-        assert fuse_norms(engine._model) == layers
-        assert (engine.score(ids) == before).all()  # the same operations, called in another order
-        assert fuse_projections(engine._model) == layers
+        assert fuse_projections(engine._model) == len(engine._model.model.layers)
         assert type(engine._model.model.layers[0].self_attn).__name__ == "FusedAttention"
-        assert type(engine._model.model).__name__ == "FusedLlamaModel"
         assert param_bytes(engine._model) == size
         after = engine.score(ids)
         assert np.abs(after - before).max() <= 1e-5 * np.abs(before).max()
@@ -72,38 +66,33 @@ def test_the_embedded_model_fused_gives_the_separate_products_logits():
                "vocab_size": 97, "max_position_embeddings": 512, "rope_theta": 1e6,
                "tie_word_embeddings": True}),
 ])
-@pytest.mark.parametrize("fuse", ["projections", "norms", "both"])
-def test_layers_with_biases_fused_decode_as_before(kind, config, fuse):
-    """Prompt then decode steps through a KV cache, fused against mlx-lm's layers: biases (qwen2,
-    llama's optional ones), each head's q and k norm (qwen3), a head size other than hidden / heads;
-    the norms alone give the same logits bit for bit on a CPU."""
+def test_layers_with_biases_fused_decode_as_before(kind, config):
+    """Prompt then decode steps through a KV cache, fused against separate: biases (qwen2, llama's
+    optional ones), each head's q and k norm (qwen3), a head size other than hidden / heads."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mesh_llm.engines.mlx_fused import fuse_norms, fuse_projections
+    from mesh_llm.engines.mlx_projections import fuse_projections
 
     separate = random_model(kind, config)
     fused = random_model(kind, config)
     fused.load_weights(tree_flatten(separate.parameters()))
-    if fuse != "norms":
-        assert fuse_projections(fused) == config["num_hidden_layers"]
-    if fuse != "projections":
-        assert fuse_norms(fused) == config["num_hidden_layers"]
+    assert fuse_projections(fused) == config["num_hidden_layers"]
     assert param_bytes(fused) == param_bytes(separate)
     caches = [make_prompt_cache(m) for m in (separate, fused)]
     tokens = mx.array([[5, 17, 3, 88, 41, 9, 60]])
     for step in range(4):
         a, b = (m(tokens, cache=c)[:, -1, :] for m, c in zip((separate, fused), caches))
-        assert mx.max(mx.abs(a - b)).item() <= (0.0 if fuse == "norms" else 1e-5), step
+        assert mx.max(mx.abs(a - b)).item() <= 1e-5, step
         tokens = mx.argmax(a, axis=-1)[:, None]
         assert tokens.tolist() == mx.argmax(b, axis=-1)[:, None].tolist()
 
 
-def test_quantized_layers_other_architectures_and_the_switches_are_left_alone(monkeypatch):
+def test_quantized_layers_other_architectures_and_the_switch_are_left_alone(monkeypatch):
     from mlx import nn
 
-    from mesh_llm.engines.mlx_fused import fuse_norms, fuse_projections
+    from mesh_llm.engines.mlx_projections import fuse_projections
 
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97}
@@ -114,18 +103,13 @@ def test_quantized_layers_other_architectures_and_the_switches_are_left_alone(mo
         "model_type": "gemma3_text", "vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 2,
         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2})
-    assert fuse_projections(gemma3) == 0 and fuse_norms(gemma3) == 0
-    # llama with sliding-window layers: its blocks take two masks, which the fused loop does not make
-    assert fuse_norms(random_model("llama", {**llama, "layer_types": ["sliding_attention", "full_attention"],
-                                             "sliding_window": 8})) == 0
-    assert fuse_norms(quantized) == 2  # the norms are not quantized
-    for switch, fuse in (("MESH_LLM_FUSED_PROJECTIONS", fuse_projections), ("MESH_LLM_FUSED_NORMS", fuse_norms)):
-        monkeypatch.setenv(switch, "0")
-        assert fuse(random_model("llama", llama)) == 0
-        monkeypatch.delenv(switch)
+    assert fuse_projections(gemma3) == 0
+    monkeypatch.setenv("MESH_LLM_FUSED_PROJECTIONS", "0")
+    assert fuse_projections(random_model("llama", llama)) == 0
+    monkeypatch.delenv("MESH_LLM_FUSED_PROJECTIONS")
     model = random_model("llama", llama)
-    assert fuse_projections(model) == 2 and fuse_norms(model) == 2
-    assert fuse_projections(model) == 0 and fuse_norms(model) == 0  # already fused
+    assert fuse_projections(model) == 2
+    assert fuse_projections(model) == 0  # already fused
 
 
 def test_fused_layers_decode_a_batch_as_each_sequence_alone_unfused():
@@ -133,7 +117,7 @@ def test_fused_layers_decode_a_batch_as_each_sequence_alone_unfused():
     strided views there) through fused layers, against each sequence alone through separate ones."""
     from batch_runs import Case, compare, run_alone, run_batched
 
-    from mesh_llm.engines.mlx_fused import fuse_norms, fuse_projections
+    from mesh_llm.engines.mlx_projections import fuse_projections
     from mesh_llm.models import default_mlx_folder
     from mesh_llm.runtime.chat import encode_chat
 
@@ -141,7 +125,7 @@ def test_fused_layers_decode_a_batch_as_each_sequence_alone_unfused():
     separate = MLXEngine.load(default_mlx_folder(), options)
     fused = MLXEngine.load(default_mlx_folder(), options)
     try:
-        assert fuse_projections(fused._model) > 0 and fuse_norms(fused._model) > 0
+        assert fuse_projections(fused._model) > 0
         questions = ["What is the capital of France?", "Write a haiku about autumn.",
                      "List five prime numbers.", "Why is the sky blue? Answer in one long sentence."]
         cases = [Case(encode_chat(fused.tokenizer, [{"role": "user", "content": q}]),
@@ -153,34 +137,3 @@ def test_fused_layers_decode_a_batch_as_each_sequence_alone_unfused():
     finally:
         fused.close()
         separate.close()
-
-
-def test_a_traced_step_through_fused_layers_gives_mlx_lms_logits():
-    """A traced decode step (engines/mlx_compiled.py, as MESH_LLM_COMPILED_DECODE=1 runs it) through
-    fused projections and norms, against mlx-lm's own qwen2 layers stepping as usual."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mesh_llm.engines import mlx_attention
-    from mesh_llm.engines.mlx_compiled import CompiledDecode
-    from mesh_llm.engines.mlx_fused import fuse_norms, fuse_projections
-
-    config = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 97}
-    separate, fused = random_model("qwen2", config), random_model("qwen2", config)
-    fused.load_weights(tree_flatten(separate.parameters()))
-    assert fuse_projections(fused) == 2 and fuse_norms(fused) == 2
-    assert mlx_attention.install(fused, traced=True)
-    traced = CompiledDecode(fused)
-    prompt = mx.array([[5, 17, 3, 88, 41, 9, 60]])
-    caches = [make_prompt_cache(m) for m in (separate, fused)]
-    y = mx.argmax(separate(prompt, cache=caches[0])[:, -1, :], axis=-1)
-    fused(prompt, cache=caches[1])
-    for step in range(6):
-        expected = separate(y[:, None], cache=caches[0])[:, -1, :]
-        got = traced.step(y, caches[1])
-        assert mx.max(mx.abs(got - expected)).item() <= 1e-5, step
-        y = mx.argmax(expected, axis=-1)
-        assert mx.argmax(got, axis=-1).tolist() == y.tolist()
-    assert traced.steps == 6
