@@ -143,16 +143,20 @@ async def _pipe(upstream: Upstream, idle_timeout: float, stop: asyncio.Event, cl
     the last complete one if the peer breaks off or falls silent (a node whose heartbeats go on
     while its engine is stuck would otherwise hold the stream for ever)."""
     pending = b""
+
+    async def deliver(chunk: bytes) -> None:
+        nonlocal pending
+        if sse:
+            pending += chunk
+            cut = pending.rfind(b"\n\n") + 2
+            if cut < 2:
+                return
+            chunk, pending = pending[:cut], pending[cut:]
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
     try:
-        while (chunk := await upstream.next(idle_timeout or None, stop)) is not None:
-            if sse:
-                pending += chunk
-                cut = pending.rfind(b"\n\n") + 2
-                if cut < 2:
-                    continue
-                chunk, pending = pending[:cut], pending[cut:]
-            if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await upstream.pipe(deliver, idle_timeout or None, stop)
     except (httpx.HTTPError, Stopped, PeerSilent) as exc:
         if client_gone.is_set():
             return

@@ -143,6 +143,63 @@ class Upstream:
         except StopAsyncIteration:
             return None
 
+    async def pipe(self, deliver, idle_timeout: float | None, stop: asyncio.Event) -> None:
+        """Hand every body chunk to ``await deliver(chunk)`` until the end; raises as :meth:`next`
+        does (``idle_timeout``: seconds without bytes, None for never).
+
+        The path every streamed token takes, so it makes no future, task or timer per chunk (as
+        :meth:`next` does): ``stop`` and a watchdog on the time of the last chunk cancel the read
+        instead. They interrupt a read only: a chunk being delivered is delivered whole first."""
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        why: type[Exception] | None = None
+        reading = False
+        last = loop.time()
+
+        def interrupt(reason: type[Exception]) -> None:
+            nonlocal why
+            if why is None:
+                why = reason
+                if reading:
+                    task.cancel()
+
+        def watchdog() -> None:
+            nonlocal timer
+            if loop.time() - last >= idle_timeout:
+                interrupt(PeerSilent)
+            else:
+                timer = loop.call_at(last + idle_timeout, watchdog)
+
+        async def watch_stop() -> None:
+            await stop.wait()
+            interrupt(Stopped)
+
+        timer = loop.call_at(last + idle_timeout, watchdog) if idle_timeout else None
+        watcher = asyncio.ensure_future(watch_stop())
+        try:
+            if self._pending:
+                chunk, self._pending = self._pending, b""
+                await deliver(chunk)
+            while why is None:
+                reading = True
+                try:
+                    chunk = await anext(self._chunks)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    # ours (``why`` set) unless the task itself is being cancelled as well
+                    if why is None or (hasattr(task, "uncancel") and task.uncancel() > 0):
+                        raise
+                    break
+                finally:
+                    reading = False
+                last = loop.time()
+                await deliver(chunk)
+            raise why()
+        finally:
+            watcher.cancel()
+            if timer is not None:
+                timer.cancel()
+
     async def read_all(self, limit: int, timeout: float) -> bytes:
         """The rest of the body (an error answer: small), at most ``limit`` bytes."""
         parts, size = [], 0
