@@ -397,20 +397,20 @@ host)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b")
     -p no:cacheprovider tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -8 || true
   ;;
 conc-ab)  # carry [".device/b"], or [".device/x"] on a machine where host ran: mesh-mlx through HTTP with
-  # one setting on (=1) and off (=0), in the order ORDER gives ("1 0"): AB_VAR names it,
+  # one setting on (=1) and off (=0), or the values ORDER gives ("1 0"; - leaves it unset): AB_VAR names it,
   # MESH_LLM_FUSED_PROJECTIONS by default (MESH_LLM_COMPILED_DECODE gave h200-host-20261203/http-*);
   # 0.5B at LEVELS_05 (1,8) streams, 7B at LEVELS_7B (1)
   mlx_env
   mkdir -p "$conc"
   var=${AB_VAR:-MESH_LLM_FUSED_PROJECTIONS}
-  for t in ${ORDER:-1 0}; do
+  for t in ${ORDER:-1 0}; do  # a value, or - for the variable unset (MLX's or mesh-llm's default)
     echo "== $var=$t"
-    export "$var=$t"
+    [ "$t" = - ] || export "$var=$t"
     TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
-    TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-7b "${LEVELS_7B:-1}" mesh-mlx 70
+    [ "${SKIP_7B:-0}" = 1 ] || TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-7b "${LEVELS_7B:-1}" mesh-mlx 70
     unset "$var"
   done
-  for f in "$conc"/*-ab[01]/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
+  for f in "$conc"/*-ab*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-ab-logs.tar.gz
   ;;
 fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up projections (the engine's
