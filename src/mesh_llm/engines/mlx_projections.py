@@ -12,7 +12,7 @@ On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call
 - a step: 5.09 → 3.31 ms and 4.18 → 3.11 ms (197 → 302 and 239 → 321 tok/s);
 - logits bit for bit the same in float16.
 One rotary embedding for q and k together (llama, qwen2: no per-head norm between) came after that
-run and is not measured yet: 340 → 316 kernels a token predicted.
+run: 316 kernels a token, as predicted (7B shape: 564 → 368; ``benchmarks/results/h200-20261204/``).
 
 The weights are concatenated once at load, before they are read, and the separate ones dropped, so
 memory does not grow. The engine does it on a GPU only: a CPU's step is bound by arithmetic, and
