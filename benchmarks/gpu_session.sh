@@ -33,6 +33,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
+#                                   (or)  bash benchmarks/gpu_session.sh new-lengths  # new prompt lengths, chunks padded or not
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
@@ -419,6 +420,17 @@ fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up pro
   wait_model qwen2.5-0.5b
   timeout 240 python3 benchmarks/gpu_fused_proj.py "$models/qwen2.5-0.5b-mlx" --tokens "${TOKENS:-96}" \
     2>&1 | tee "$OUT/fused-proj-0.5b.txt" | tail -12 || true
+  ;;
+new-lengths)  # carry [".device/b"], after stage-mlx: a prompt length not read before against the same
+  # length again (benchmarks/gpu_new_lengths.py), prompt chunks unpadded then padded to a multiple of
+  # BUCKET (64) tokens (MESH_LLM_PREFILL_BUCKET); the first run also fills the kernel folder
+  mlx_env
+  wait_model qwen2.5-0.5b
+  for b in 0 0 "${BUCKET:-64}"; do
+    echo "== MESH_LLM_PREFILL_BUCKET=$b"
+    MESH_LLM_PREFILL_BUCKET=$b timeout 150 python3 benchmarks/gpu_new_lengths.py "$models/qwen2.5-0.5b-mlx" \
+      --profile 2>&1 | tee "$OUT/new-lengths-bucket$b.txt" | grep -v Warning | tail -24 || true
+  done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
   # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)

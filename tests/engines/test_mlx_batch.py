@@ -68,7 +68,7 @@ def smollm():
     engine.close()
 
 
-def sibling(engine, pipelined=None, together=None, model=None, traced=False, **options):
+def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass, and
     ``traced``: decode through the compiled step (engines/mlx_compiled.py), as on a GPU (the defaults
@@ -79,18 +79,20 @@ def sibling(engine, pipelined=None, together=None, model=None, traced=False, **o
         assert mlx_attention.install(engine._model, traced=True)
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
                      EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined,
-                     together=together, traced=traced)
+                     together=together, traced=traced, bucket=bucket)
 
 
 class CountingModel:
-    """A model that records the rows of every pass over more than one position (prompt chunks)."""
+    """A model that records the rows and width of every pass over more than one position (prompt
+    chunks)."""
 
     def __init__(self, model):
-        self.model, self.chunk_rows = model, []
+        self.model, self.chunk_rows, self.chunk_widths = model, [], []
 
     def __call__(self, inputs, cache=None):
         if inputs.shape[1] > 1:
             self.chunk_rows.append(inputs.shape[0])
+            self.chunk_widths.append(inputs.shape[1])
         return self.model(inputs, cache=cache)
 
     def __getattr__(self, name):
@@ -485,3 +487,29 @@ def test_a_traced_step_refuses_a_model_whose_attention_is_not_routed():
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 32}))
     with pytest.raises(ValueError, match="routed"):
         CompiledDecode(model)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one-pass-each", "together"])
+def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together):
+    """``bucket`` (MESH_LLM_PREFILL_BUCKET): every prompt chunk padded to a multiple of 12 tokens (at
+    most the 32-token chunk) and the padding trimmed from the caches again, alone and read together:
+    the warm-up reads each padded width once, each sequence answers as it does unpadded, and a
+    prompt stored by the prompt cache resumes with its real tokens only."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, together=together, model=model, bucket=12)
+    assert engine.info().details["prefill_bucket"] == "prompt chunks padded to a multiple of 12 tokens"
+    engine.warm_up()
+    assert set(model.chunk_widths) == {12, 24, 32}, model.chunk_widths
+    model.chunk_widths.clear()
+    cases = [replace(c, start=0 if i < 4 else c.start) for i, c in enumerate(eight_cases(engine))]
+    alone = [run_alone(smollm, c) for c in cases]
+    batched = run_batched(engine, cases, budget=4096)
+    for i, case in enumerate(cases):
+        if case.params().logprobs is None:
+            assert [s.token for s in batched[i]] == [s.token for s in alone[i]], i
+        else:
+            assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None, i
+    assert set(model.chunk_widths) <= {12, 24, 32}, model.chunk_widths
+    again = run_alone(engine, replace(cases[0], tokens=4))
+    assert again[0].cached_tokens == len(cases[0].prompt) - 1
+    assert [s.token for s in again] == [s.token for s in alone[0][:4]]

@@ -95,13 +95,18 @@ class MLXEngine(Engine):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
-                 traced: bool = False):
+                 traced: bool = False, bucket: int | None = None):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
         cost grows with the rows, and one pass per sequence keeps its results those of a solo run).
         ``traced``: decode steps through ``mlx_compiled`` (the model's attention must be routed by
-        ``mlx_attention.install(model, traced=True)``)."""
+        ``mlx_attention.install(model, traced=True)``). ``bucket``: prompt chunks padded to a
+        multiple of this many tokens, the padding then cut from the KV (plain KV caches only; default
+        ``MESH_LLM_PREFILL_BUCKET``, else 0: off). On CUDA a chunk of a new length rebuilds MLX's
+        CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt on the H200: benchmarks/GPU.md); with
+        buckets a prompt of any length reads chunks of shapes the warm-up has read. Not yet measured
+        on a GPU, so off by default."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -120,7 +125,11 @@ class MLXEngine(Engine):
         fresh = make_prompt_cache(model)
         if together is None:  # MESH_LLM_PREFILL_TOGETHER=0: one pass per sequence, to compare
             together = on_gpu() and os.environ.get("MESH_LLM_PREFILL_TOGETHER", "1") != "0"
-        self._together = together and all(type(c) is KVCache for c in fresh)  # stacked, split again
+        plain = all(type(c) is KVCache for c in fresh)
+        self._together = together and plain  # stacked, split again
+        if bucket is None:
+            bucket = int(os.environ.get("MESH_LLM_PREFILL_BUCKET") or 0)
+        self._bucket = bucket if plain and bucket > 0 else 0  # cut back by trimming the caches
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
@@ -136,6 +145,8 @@ class MLXEngine(Engine):
         if self._caching:
             self._details["prompt_cache"] = (f"{cache_bytes / 1e6:.0f} MB, {options.cache_entries} "
                                              f"entries" + (", checkpoints" if self._checkpoints else ""))
+        if self._bucket:
+            self._details["prefill_bucket"] = f"prompt chunks padded to a multiple of {self._bucket} tokens"
         self._details["max_batch"] = str(self._max_batch)
         self._details["batching"] = ("one forward pass for all sequences" if not self._unbatchable else
                                      f"one sequence a pass ({', '.join(self._unbatchable)} cannot batch)")
@@ -278,10 +289,16 @@ class MLXEngine(Engine):
             long = max(2, min(chunk + chunk // 2, self._context - 4))
             short = max(2, min(16, self._context - 4))
             greedy = SamplingParams(temperature=0.0)
-            steps = 4 + 2 * self._max_batch  # no row ends before the last step
+            buckets = range(self._bucket, min(chunk, self._context - 4), self._bucket) if self._bucket else ()
+            steps = 4 + 2 * self._max_batch + 2 * len(buckets)  # no row ends before the last step
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
                 self.step(4 * chunk)
+            for size in buckets:  # every padded chunk shape, read once
+                self.add(-99, [(5 * i + size) % self._vocab for i in range(size + 1)], greedy, 1)
+                self.step(chunk)
+                self.step(chunk)
+                self.remove(-99)
             for row in range(self._max_batch - 1):
                 self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
                 self.step(chunk)
@@ -364,7 +381,10 @@ class MLXEngine(Engine):
     def _read_chunk(self, s: _Sequence, end: int) -> int:
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
         start = s.read
-        self._model(mx.array(s.prompt[start:end])[None], cache=s.cache)
+        pad = self._padded(end - start) - (end - start)
+        self._model(mx.array(s.prompt[start:end] + [0] * pad)[None], cache=s.cache)
+        for c in s.cache if pad else ():
+            c.trim(pad)  # the padding follows the chunk's tokens: the causal mask kept it out of them
         self._evaluate([c.state for c in s.cache])
         s.read = end
         if self._checkpoints and self._caching and (end % step == 0 or end == target):
@@ -376,7 +396,7 @@ class MLXEngine(Engine):
         stacked into one batch cache, shorter chunks right-padded (a causal mask keeps padding that
         follows a row's tokens out of them), then each row's KV cut back out up to its own end."""
         start = rows[0][0].read
-        width = max(end for _, end in rows) - start
+        width = self._padded(max(end for _, end in rows) - start)
         tokens = mx.array([s.prompt[start:end] + [0] * (width - (end - start)) for s, end in rows])
         batch = []
         for layer in range(len(rows[0][0].cache)):
@@ -394,6 +414,12 @@ class MLXEngine(Engine):
             s.read = end
             state += [a for c in s.cache for a in (c.keys, c.values)]
         self._evaluate(state)
+
+    def _padded(self, n: int) -> int:
+        """A chunk of ``n`` prompt tokens' length once padded to its bucket (at most a whole chunk)."""
+        if not self._bucket:
+            return n
+        return max(n, min(-(-n // self._bucket) * self._bucket, max(1, self._options.prefill_step)))
 
     def _evaluate(self, state: list) -> None:
         """A chunk's KV: queued on a GPU (the next step's graph waits for it), evaluated now on a
