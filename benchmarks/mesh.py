@@ -86,11 +86,13 @@ def main() -> None:
 
 
 def node(stack: ExitStack, settings: Settings, logs: Path, token: str, name: str, flags: list[str],
-         model_id: str | None = None) -> Server:
+         model_id: str | None = None, pythonpath: Path | None = None) -> Server:
+    """A node on this checkout's code, or on the ``src/`` folder ``pythonpath`` (``hop_ab.py``)."""
     def argv(_model: Path, port: int, s: Settings) -> list[str]:
         model = [] if "--client" in flags else ["--engine", "llama", "--threads", str(s.threads),
                                                 "--ctx-size", str(s.ctx_size)]
-        return [sys.executable, "-m", "mesh_llm", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
+        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={pythonpath}", sys.executable]
+        return [*python, "-m", "mesh_llm", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
                 "--mesh-token", token, "--node-name", name, *flags]
 
     alias = model_id or flags[flags.index("--alias") + 1]

@@ -6,7 +6,7 @@ Why: every streamed token a peer serves is one read on the entry node, and anyio
 cancel scope and two generator-based context managers, then resumes and pauses the transport's
 reading (two ``epoll_ctl``, batched through ``io_uring`` under uvloop) for a few hundred bytes. Here
 a read takes what the protocol has buffered, or waits on one future. What it saved is in README's
-"The mesh" (``benchmarks/hop_cpu.py``)."""
+"The mesh" (``benchmarks/hop_ab.py``)."""
 
 from __future__ import annotations
 
