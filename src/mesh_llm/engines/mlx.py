@@ -381,7 +381,7 @@ class MLXEngine(Engine):
     def _read_chunk(self, s: _Sequence, end: int) -> int:
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
         start = s.read
-        pad = self._padded(end - start) - (end - start)
+        pad = self._padded(start, end) - (end - start)
         self._model(mx.array(s.prompt[start:end] + [0] * pad)[None], cache=s.cache)
         for c in s.cache if pad else ():
             c.trim(pad)  # the padding follows the chunk's tokens: the causal mask kept it out of them
@@ -396,7 +396,7 @@ class MLXEngine(Engine):
         stacked into one batch cache, shorter chunks right-padded (a causal mask keeps padding that
         follows a row's tokens out of them), then each row's KV cut back out up to its own end."""
         start = rows[0][0].read
-        width = self._padded(max(end for _, end in rows) - start)
+        width = self._padded(start, max(end for _, end in rows))
         tokens = mx.array([s.prompt[start:end] + [0] * (width - (end - start)) for s, end in rows])
         batch = []
         for layer in range(len(rows[0][0].cache)):
@@ -415,11 +415,14 @@ class MLXEngine(Engine):
             state += [a for c in s.cache for a in (c.keys, c.values)]
         self._evaluate(state)
 
-    def _padded(self, n: int) -> int:
-        """A chunk of ``n`` prompt tokens' length once padded to its bucket (at most a whole chunk)."""
+    def _padded(self, start: int, end: int) -> int:
+        """The width of the chunk of prompt positions ``start`` to ``end`` once padded to its bucket:
+        at most a whole chunk, and never past the context (a model may hold no position beyond)."""
+        n = end - start
         if not self._bucket:
             return n
-        return max(n, min(-(-n // self._bucket) * self._bucket, max(1, self._options.prefill_step)))
+        limit = min(max(1, self._options.prefill_step), self._context - start)
+        return max(n, min(-(-n // self._bucket) * self._bucket, limit))
 
     def _evaluate(self, state: list) -> None:
         """A chunk's KV: queued on a GPU (the next step's graph waits for it), evaluated now on a
