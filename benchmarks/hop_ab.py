@@ -109,7 +109,8 @@ def main() -> None:
                "load_average_after": os.getloadavg(),
                "old": f"{args.rev} ({rev})" + (f", src/ from {args.old_src}" if args.old_src else ""),
                "new": f"working tree at {head}" + (f" (uncommitted in src/: {', '.join(dirty)})" if dirty else ""),
-               "settings": vars(args) | {"out": str(args.out)}, "environment": describe(None),
+               "settings": vars(args) | {"out": str(args.out), "old_src": str(args.old_src)},
+               "environment": describe(None),
                "triples": triples, "summary": summary}
     out = args.out or Path(__file__).parent / "results" / f"hop-ab-{started:%Y%m%d}"
     out.mkdir(parents=True, exist_ok=True)
