@@ -24,7 +24,6 @@ from mesh_llm.mesh.membership import Change, Membership
 from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord
 from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
 from mesh_llm.mesh.security import client_tls
-from mesh_llm.mesh.streams import use_asyncio_streams
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -166,14 +165,11 @@ class MeshNode:
     # -- life ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        transport = httpx.AsyncHTTPTransport(
-            verify=self.verify, trust_env=False,
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64))
-        use_asyncio_streams(transport)  # each relayed token is one read: see mesh/streams.py
         self.http = httpx.AsyncClient(
-            transport=transport, trust_env=False,
+            verify=self.verify, trust_env=False,
             timeout=httpx.Timeout(connect=self.config.connect_timeout, read=None, write=30,
-                                  pool=self.config.connect_timeout))
+                                  pool=self.config.connect_timeout),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64))
         self._heartbeater = Heartbeater(self, self.http)
         self._tasks.append(asyncio.create_task(self._heartbeater.run(), name="mesh-heartbeat"))
         if self.config.discover:

@@ -1,18 +1,15 @@
-"""The entry node's side of a forwarded answer, against small servers on loopback: the network layer
-under the node's HTTP client (``mesh/streams.py``) and the loop that passes a streamed body on
-(``Upstream.pipe`` in ``mesh/relay.py``)."""
+"""The entry node's side of a forwarded answer, against small servers on loopback: the loop that
+passes a streamed body on (``Upstream.pipe`` in ``mesh/relay.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import httpcore
 import httpx
 import pytest
 
 from mesh_llm.mesh.relay import RELAY_HEADER, PeerSilent, Stopped, Upstream
-from mesh_llm.mesh.streams import AsyncioBackend, use_asyncio_streams
 
 
 class ChunkedServer:
@@ -64,68 +61,7 @@ class ChunkedServer:
 
 
 def client() -> httpx.AsyncClient:
-    transport = httpx.AsyncHTTPTransport()
-    assert use_asyncio_streams(transport)  # fails if httpx/httpcore moved the pool's backend
-    assert isinstance(transport._pool._network_backend, AsyncioBackend)
-    return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5, read=None))
-
-
-def test_a_streamed_body_arrives_whole_and_the_connection_is_kept_alive():
-    parts = [b"data: %d\n\n" % i for i in range(50)]
-
-    async def run():
-        server = ChunkedServer(parts, gap=0.001)
-        async with server as url, client() as http:
-            for _ in range(3):
-                async with http.stream("GET", url) as response:
-                    got = [chunk async for chunk in response.aiter_raw()]
-                assert b"".join(got) == b"".join(parts)
-                assert len(got) > 1  # passed on as it came, not gathered
-        return server
-
-    server = asyncio.run(run())
-    assert server.requests == 3 and server.connections == 1
-
-
-def test_a_connection_the_server_closed_while_idle_is_replaced():
-    async def run():
-        server = ChunkedServer([b"hello"], close_after=True)
-        async with server as url, client() as http:
-            for _ in range(3):
-                assert (await http.get(url)).content == b"hello"
-                await asyncio.sleep(0.05)  # the close reaches the pooled connection
-        return server
-
-    server = asyncio.run(run())
-    assert server.requests == 3 and server.connections == 3
-
-
-def test_a_large_body_read_slowly_is_not_lost_to_flow_control():
-    parts = [bytes([i % 256]) * 65536 for i in range(24)]  # 1.5 MiB, over the read buffer's limit
-
-    async def run():
-        async with ChunkedServer(parts) as url, client() as http:
-            got = bytearray()
-            async with http.stream("GET", url) as response:
-                async for chunk in response.aiter_raw():
-                    got += chunk
-                    await asyncio.sleep(0.002)
-            return bytes(got)
-
-    assert asyncio.run(run()) == b"".join(parts)
-
-
-def test_a_refused_connection_is_a_connect_error():
-    async def run():
-        backend = AsyncioBackend()
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        server.close()
-        await server.wait_closed()
-        with pytest.raises(httpcore.ConnectError):
-            await backend.connect_tcp("127.0.0.1", port, timeout=5)
-
-    asyncio.run(run())
+    return httpx.AsyncClient(timeout=httpx.Timeout(5, read=None))
 
 
 async def _piped(server: ChunkedServer, idle_timeout: float | None, stop: asyncio.Event,
