@@ -133,6 +133,16 @@ def agree_with_solo(cases: list[Case], alone, batched) -> list:
     return differ
 
 
+def same_as_alone(cases: list[Case], alone, batched) -> None:
+    """Each batched sequence exactly as its solo run: greedy tokens equal where no logprobs are
+    reported, else logprobs within TOLERANCE and no token parting, not even at a near-tie."""
+    for i, case in enumerate(cases):
+        if case.params().logprobs is None:
+            assert [s.token for s in batched[i]] == [s.token for s in alone[i]], i
+        else:
+            assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None, i
+
+
 def test_eight_sequences_match_their_solo_runs(smollm):
     cases = eight_cases(smollm)
     assert len({len(c.prompt) for c in cases}) >= 6 and max(len(c.prompt) for c in cases) > 150
@@ -212,11 +222,7 @@ def test_chunks_read_together_match_their_solo_runs(smollm, pipelined):
     alone = [run_alone(smollm, c) for c in cases]
     batched = run_batched(engine, cases, budget=4096)
     assert max(model.chunk_rows) == 5, model.chunk_rows
-    for i, case in enumerate(cases):
-        if case.params().logprobs is None:
-            assert [s.token for s in batched[i]] == [s.token for s in alone[i]]
-        else:
-            assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None
+    same_as_alone(cases, alone, batched)
 
 
 def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(smollm):
@@ -503,12 +509,7 @@ def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together):
     model.chunk_widths.clear()
     cases = [replace(c, start=0 if i < 4 else c.start) for i, c in enumerate(eight_cases(engine))]
     alone = [run_alone(smollm, c) for c in cases]
-    batched = run_batched(engine, cases, budget=4096)
-    for i, case in enumerate(cases):
-        if case.params().logprobs is None:
-            assert [s.token for s in batched[i]] == [s.token for s in alone[i]], i
-        else:
-            assert compare(alone[i], batched[i], TOLERANCE).diverged_at is None, i
+    same_as_alone(cases, alone, run_batched(engine, cases, budget=4096))
     assert set(model.chunk_widths) <= {12, 24, 32}, model.chunk_widths
     again = run_alone(engine, replace(cases[0], tokens=4))
     assert again[0].cached_tokens == len(cases[0].prompt) - 1
