@@ -34,6 +34,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh gemv    # a decode-product kernel (an experiment)
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
 #                                   (or)  bash benchmarks/gpu_session.sh new-lengths  # new prompt lengths, chunks padded or not
+#                                   (or)  bash benchmarks/gpu_session.sh startup      # mesh-llm serve started afresh, timed
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
@@ -430,6 +431,18 @@ new-lengths)  # carry [".device/b"], after stage-mlx: a prompt length not read b
     echo "== MESH_LLM_PREFILL_BUCKET=$b"
     MESH_LLM_PREFILL_BUCKET=$b timeout 150 python3 benchmarks/gpu_new_lengths.py "$models/qwen2.5-0.5b-mlx" \
       --profile 2>&1 | tee "$OUT/new-lengths-bucket$b.txt" | grep -v Warning | tail -24 || true
+  done
+  ;;
+startup)  # carry [".device/b"], after stage-mlx: `mesh-llm serve` started afresh again and again
+  # (benchmarks/startup.py): the port, /health ok, the first request; the first run compiles MLX's
+  # kernels, later ones find them on disk as a restart does
+  mlx_env
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  for setting in "8 --warm-up 3" "8 --no-warm-up 2" "32 --warm-up 2" "1 --warm-up 2"; do
+    set -- $setting
+    timeout 200 python3 benchmarks/startup.py --runs "$3" --label "max-batch $1 $2" -- --engine mlx --model "$m" \
+      --ctx-size 2048 --max-batch "$1" "$2" 2>&1 | tail -n +2 || true
   done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products

@@ -294,21 +294,28 @@ class MLXEngine(Engine):
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
                 self.step(4 * chunk)
+            phases = [(f"a prompt of {long} tokens", time.perf_counter())]
             for size in buckets:  # every padded chunk shape, read once
                 self.add(-99, [(5 * i + size) % self._vocab for i in range(size + 1)], greedy, 1)
                 self.step(chunk)
                 self.step(chunk)
                 self.remove(-99)
+            phases.append((f"{len(buckets)} padded widths", time.perf_counter()))
             for row in range(self._max_batch - 1):
                 self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
                 self.step(chunk)
                 self.step(chunk)
+            phases.append((f"batch sizes 2 to {self._max_batch}", time.perf_counter()))
         finally:
             for seq in list(self._seqs):
                 self.remove(seq)
             self._caching = caching
             mx.clear_cache()
-        return time.perf_counter() - started
+        ended = time.perf_counter()
+        marks = [started] + [t for _, t in phases]  # on a GPU each phase's last step is still queued
+        log.info("warm-up phases: %s", ", ".join(f"{name} {b - a:.2f} s" for (name, _), a, b in
+                                                  zip(phases, marks, marks[1:]) if b - a >= 0.005))
+        return ended - started
 
     def score(self, tokens: Sequence[int]) -> np.ndarray:
         ids = [int(t) for t in tokens]
