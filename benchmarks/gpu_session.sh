@@ -24,6 +24,11 @@
 #   5. carry []                 bash benchmarks/gpu_session.sh conc-llama    # llama-server, mesh-llama, merged
 #                                                                            # report and table (at most 8 min)
 #      (alone, after 1 with no MLX step: carry [".device/elf", ".device/b/extra"], the server stack)
+#      The server imports llguidance and the llama engine's load order needs pyelftools: copy
+#      .device/x/llguidance-*.whl into .device/b/extra/ (install-mlx.sh installs it) and
+#      .device/v/pyelftools-*.whl into .device/elf/, then carry [".device/elf"] in step 5
+#      (2026-12-04: the MLX runs of 3 overlap the build of 1 and come out about half as fast; run
+#      them again on a quiet machine, or after 5)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
