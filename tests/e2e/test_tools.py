@@ -199,6 +199,13 @@ BAD = [
     ("responses: malformed schema", RESPONSES, {"input": "Hi", "text": {"format": {
         "type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
     ("responses: reasoning", RESPONSES, {"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    # sampling fields other servers take and this one does not apply
+    ("presence penalty", CHAT, {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    ("vLLM's guided_json", CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),
+    ("completions: logit_bias", "/v1/completions", {"prompt": "Hi", "logit_bias": {"0": -100}}, "logit_bias"),
+    ("completions: tools", "/v1/completions", {"prompt": "Hi", "tools": CHAT_TOOLS}, "tools"),
+    ("responses: stop", RESPONSES, {"input": "Hi", "stop": ["cat"]}, "stop"),
+    ("responses: frequency penalty", RESPONSES, {"input": "Hi", "frequency_penalty": 1}, "frequency_penalty"),
 ]
 
 
@@ -221,4 +228,43 @@ def test_healthy_after_bad_requests(llama_server):
     for _, path, body, _ in BAD:
         httpx.post(llama_server.url + path, json={"model": MODEL, **body}, timeout=60)
     assert httpx.get(llama_server.url + "/health").json() == {"status": "ok"}
+    assert "Traceback" not in llama_server.output()
+
+
+RAW = [  # bodies as sent: JSON lets a string hold a lone surrogate, which no tokenizer can encode
+    (CHAT, '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}' % MODEL, 400),
+    ("/v1/completions", '{"model": "%s", "max_tokens": 2, "prompt": "\\udfff"}' % MODEL, 400),
+    (RESPONSES, '{"model": "%s", "max_output_tokens": 2, "input": "x", "instructions": "\\ud800"}' % MODEL, 400),
+    (CHAT, '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', 404),  # quoted back
+]
+
+
+@pytest.mark.parametrize("path,body,status", RAW)
+def test_lone_surrogates_are_refused(llama_server, path, body, status):
+    response = httpx.post(llama_server.url + path, content=body.encode(), timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_odd_but_harmless_requests(llama_server):
+    """Neutral values of refused fields pass; a tool call's arguments nested past the JSON parser's
+    depth stay text; a completion's max_tokens of null means OpenAI's default (16), not the context."""
+    url = llama_server.url
+    neutral = {"model": MODEL, "messages": USER, "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "best_of": 1, "logit_bias": {}}
+    assert httpx.post(url + CHAT, json=neutral, timeout=60).status_code == 200
+    deep = "[" * 5000 + "]" * 5000
+    calls = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                 "name": "get_time", "arguments": deep}}]},
+             {"role": "tool", "tool_call_id": "c", "content": "noon"}]
+    response = httpx.post(url + CHAT, json={"model": MODEL, "messages": calls, "tools": CHAT_TOOLS, "max_tokens": 2},
+                          timeout=60)
+    assert response.status_code in (200, 400), response.text  # 400 only for a prompt past the context
+    assert set(response.json()) != {"error"} or response.json()["error"]["code"] != "internal_error"
+    text = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time",
+                                                     "max_tokens": None, "ignore_eos": True}, timeout=60)
+    assert text.json()["usage"]["completion_tokens"] == 16
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert "Traceback" not in llama_server.output()

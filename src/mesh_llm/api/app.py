@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.chat_tools import chat_plan
-from mesh_llm.api.errors import APIError, error_response
+from mesh_llm.api.errors import APIError, error_response, unsupported
 from mesh_llm.api.generation import collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import GenerationError, ResponseBuilder
 from mesh_llm.api.responses_api import install_responses
@@ -101,6 +101,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(body: CompletionRequest, request: Request):
         served = lookup(body.model)
+        if (name := body.refused_field()) is not None:
+            raise unsupported(name)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -177,6 +179,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException):
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def _not_unicode(_: Request, exc: UnicodeEncodeError):
+        # JSON lets a string hold a lone surrogate ("\\ud800"), which no tokenizer can encode
+        return error_response(400, f"the request holds text that is not valid Unicode (a lone surrogate "
+                              f"at position {exc.start} of a string)", code="invalid_value")
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError):
+        return error_response(400, "the request nests JSON too deeply", code="invalid_value")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mesh_llm.api.errors import APIError
+from mesh_llm.api.errors import APIError, unsupported
 from mesh_llm.api.schemas import ChatCompletionRequest, NamedToolChoice
 from mesh_llm.engines.base import Tokenizer
 from mesh_llm.runtime.chat import TemplateError
@@ -19,8 +19,7 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 async def chat_plan(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ChatPlan:
     refused = body.refused_field()
     if refused is not None:
-        raise APIError(400, f"'{refused}' is not supported by this server", param=refused,
-                       code="unsupported_parameter")
+        raise unsupported(refused)
     functions = [Function(t.function.name, t.function.parameters or _NO_PARAMETERS, t.function.description)
                  for t in body.tools or []]
     choice = tool_choice(body.tool_choice)

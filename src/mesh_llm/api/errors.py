@@ -27,9 +27,20 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.param, self.code, self.headers)
 
 
+def unsupported(field: str) -> APIError:
+    """A field sent that this server would not honour: a 400, never silence."""
+    return APIError(400, f"'{field}' is not supported by this server", param=field, code="unsupported_parameter")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": printable(message), "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": printable(param), "code": code}}
+
+
+def printable(text: str | None) -> str | None:
+    """``text`` as UTF-8 can carry it: a lone surrogate a client sent (JSON allows ``"\\ud800"``) and
+    an error message quotes back is written as its escape, not left to fail the response."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mesh_llm.api.errors import APIError
-from mesh_llm.api.schemas import FunctionName, check_tool_choice
+from mesh_llm.api.errors import APIError, unsupported
+from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, check_tool_choice, refused
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Sent by clients but harmless here (no reasoning output to include).
@@ -82,8 +82,11 @@ class ResponsesRequest(BaseModel):
                      "conversation"):
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, "disabled", {}) and not (name == "reasoning" and _no_effort(value)):
-                raise APIError(400, f"'{name}' is not supported by this server", param=name,
-                               code="unsupported_parameter")
+                raise unsupported(name)
+        # chat completions' sampling fields the Responses API does not have
+        name = refused(self.model_extra, (*SAMPLING_REFUSED, "stop", "seed", "ignore_eos"))
+        if name is not None:
+            raise unsupported(name)
         for item in self.include or []:
             if item not in _HARMLESS_INCLUDE:
                 raise APIError(400, f"include '{item}' is not supported", param="include")

@@ -1,12 +1,12 @@
 """OpenAI request shapes, validated by pydantic: a bad field becomes a 400 naming that field.
 
 Unknown fields are accepted and ignored, as OpenAI clients send many (``user``, ``metadata``...);
-fields that would change the answer and are not served are refused (``REFUSED``).
+fields that would change the answer and are not served are refused (each request's ``REFUSED``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -73,10 +73,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def refused(extra: dict[str, Any] | None, names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` in ``extra`` with a value that would change the answer."""
+    extra = extra or {}
+    return next((name for name in names if extra.get(name) not in (None, {}, [], "", False)
+                 and extra.get(name) != _NEUTRAL.get(name)), None)
+
+
+# Sampling settings other servers take (OpenAI's penalties, llama.cpp's and vLLM's extras) that this
+# one does not apply: refused unless sent at the value that changes nothing.
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "repeat_penalty": 1,
+            "min_tokens": 0, "best_of": 1, "typical_p": 1, "mirostat": 0, "n_probs": 0, "n": 1, "top_k": 0,
+            "min_p": 0}
+SAMPLING_REFUSED = (*_NEUTRAL, "logit_bias", "grammar", "json_schema", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "chat_template", "chat_template_kwargs")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="allow")
+    REFUSED: ClassVar[tuple[str, ...]] = SAMPLING_REFUSED
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -101,6 +118,10 @@ class SamplingFields(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def refused_field(self) -> str | None:
+        """The first field sent that this server does not serve (empty or neutral values are harmless)."""
+        return refused(self.model_extra, self.REFUSED)
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
@@ -168,8 +189,9 @@ def check_tool_choice(value: Any, named: type[BaseModel]) -> Any:
 
 
 # Fields that would change the answer but are not served: a 400 rather than silence.
-REFUSED = ("functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
-           "web_search_options")
+CHAT_REFUSED = (*SAMPLING_REFUSED, "functions", "function_call", "audio", "modalities", "prediction",
+                "web_search_options", "suffix", "echo", "reasoning_effort", "verbosity",
+                "add_generation_prompt", "continue_final_message")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -182,15 +204,12 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
 
+    REFUSED: ClassVar[tuple[str, ...]] = CHAT_REFUSED
+
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _choice(cls, value: Any) -> Any:
         return check_tool_choice(value, NamedToolChoice)
-
-    def refused_field(self) -> str | None:
-        """The first field sent that this server does not serve (empty values are harmless)."""
-        extra = self.model_extra or {}
-        return next((name for name in REFUSED if extra.get(name) not in (None, {}, [])), None)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -201,6 +220,13 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: Literal[False] = False
     max_tokens: Annotated[int, Field(gt=0)] | None = 16  # OpenAI's default for completions
+    REFUSED: ClassVar[tuple[str, ...]] = (*SAMPLING_REFUSED, "suffix", "response_format", "tools",
+                                          "tool_choice", "functions", "function_call", "messages")
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _default_limit(cls, value: Any) -> Any:
+        return 16 if value is None else value  # null as omitted: OpenAI's default, not the whole context
 
     def token_limit(self) -> int | None:
         return self.max_tokens

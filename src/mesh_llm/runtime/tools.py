@@ -119,7 +119,7 @@ def _object_arguments(call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: kept as text
             parsed = None
         if isinstance(parsed, dict):
             arguments = parsed
