@@ -219,7 +219,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]  # a list of ints is token ids
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: Literal[False] = False
-    max_tokens: Annotated[int, Field(gt=0)] | None = 16  # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(gt=0)] = 16  # OpenAI's default for completions, also for null
     REFUSED: ClassVar[tuple[str, ...]] = (*SAMPLING_REFUSED, "suffix", "response_format", "tools",
                                           "tool_choice", "functions", "function_call", "messages")
 
