@@ -40,6 +40,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh host    # one stream: host or GPU, the traced step
 #                                   (or)  bash benchmarks/gpu_session.sh new-lengths  # new prompt lengths, chunks padded or not
 #                                   (or)  bash benchmarks/gpu_session.sh startup      # mesh-llm serve started afresh, timed
+#                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
@@ -448,6 +449,21 @@ startup)  # carry [".device/b"], after stage-mlx: `mesh-llm serve` started afres
     set -- $setting
     timeout 200 python3 benchmarks/startup.py --runs "$3" --label "max-batch $1 $2" -- --engine mlx --model "$m" \
       --ctx-size 2048 --max-batch "$1" "$2" 2>&1 | tail -n +2 || true
+  done
+  ;;
+warm-sizes)  # carry [".device/b"], after stage-mlx: what each batch size the warm-up runs costs and
+  # saves (benchmarks/gpu_warm_sizes.py: a ramp of rows joining, unwarmed then again), and a fresh
+  # server's start with the warm-up's batch sizes cut to MESH_LLM_WARM_BATCH
+  mlx_env
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  for wb in 1 16; do
+    MESH_LLM_WARM_BATCH=$wb timeout 150 python3 benchmarks/gpu_warm_sizes.py "$m" --max-batch 16 \
+      --label "warm batch $wb" 2>&1 | tail -1 || true
+  done
+  for wb in ${WARM_BATCHES:-1 4 32}; do
+    MESH_LLM_WARM_BATCH=$wb timeout 120 python3 benchmarks/startup.py --runs 2 --label "max-batch 32, warm $wb" -- \
+      --engine mlx --model "$m" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
   done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products

@@ -67,7 +67,10 @@ def one_start(serve_args: list[str], timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {k: round(v, 3 if k.endswith("_s") else 1) for k, v in marks.items()}
+    phases = [line.split("warm-up phases:", 1)[1].strip() for line in proc.stderr.read().splitlines()
+              if "warm-up phases:" in line]
+    return {**{k: round(v, 3 if k.endswith("_s") else 1) for k, v in marks.items()},
+            "warm_up_phases": phases[0] if phases else ""}
 
 
 def main() -> None:
@@ -79,12 +82,13 @@ def main() -> None:
     args = parser.parse_args()
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     label = args.label or " ".join(serve_args)
-    print(f"| {label} | port answers s | /health ok s | first token s | first request ends s | its TTFT ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| {label} | port answers s | /health ok s | first token s | first request ends s | its TTFT ms "
+          f"| warm-up phases |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for run in range(1, args.runs + 1):
         m = one_start(serve_args, args.timeout)
         print(f"| run {run} | {m['listening_s']} | {m['ok_s']} | {m['first_token_s']} | {m['first_done_s']} "
-              f"| {m['first_ttft_ms']} |", flush=True)
+              f"| {m['first_ttft_ms']} | {m['warm_up_phases']} |", flush=True)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "startup.jsonl"), "a") as f:
                 f.write(json.dumps({"label": label, "run": run, "serve_args": serve_args, **m}) + "\n")

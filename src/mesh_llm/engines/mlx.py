@@ -290,7 +290,8 @@ class MLXEngine(Engine):
             short = max(2, min(16, self._context - 4))
             greedy = SamplingParams(temperature=0.0)
             buckets = range(self._bucket, min(chunk, self._context - 4), self._bucket) if self._bucket else ()
-            steps = 4 + 2 * self._max_batch + 2 * len(buckets)  # no row ends before the last step
+            rows = min(self._max_batch, int(os.environ.get("MESH_LLM_WARM_BATCH") or self._max_batch))
+            steps = 4 + 2 * rows + 2 * len(buckets)  # no row ends before the last step
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
                 self.step(4 * chunk)
@@ -301,11 +302,11 @@ class MLXEngine(Engine):
                 self.step(chunk)
                 self.remove(-99)
             phases.append((f"{len(buckets)} padded widths", time.perf_counter()))
-            for row in range(self._max_batch - 1):
+            for row in range(rows - 1):
                 self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
                 self.step(chunk)
                 self.step(chunk)
-            phases.append((f"batch sizes 2 to {self._max_batch}", time.perf_counter()))
+            phases.append((f"batch sizes 2 to {rows}", time.perf_counter()))
         finally:
             for seq in list(self._seqs):
                 self.remove(seq)
