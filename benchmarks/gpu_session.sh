@@ -451,19 +451,16 @@ startup)  # carry [".device/b"], after stage-mlx: `mesh-llm serve` started afres
       --ctx-size 2048 --max-batch "$1" "$2" 2>&1 | tail -n +2 || true
   done
   ;;
-warm-sizes)  # carry [".device/b"], after stage-mlx: what each batch size the warm-up runs costs and
-  # saves (benchmarks/gpu_warm_sizes.py: a ramp of rows joining, unwarmed then again), and a fresh
-  # server's start with the warm-up's batch sizes cut to MESH_LLM_WARM_BATCH
+warm-sizes)  # carry [".device/b"], after stage-mlx: what a batch size the warm-up did not run costs
+  # when serving first reaches it (benchmarks/gpu_warm_sizes.py: a ramp of rows joining, then again),
+  # and a fresh server's start at --max-batch 32 and 8
   mlx_env
   wait_model qwen2.5-0.5b
   m=$models/qwen2.5-0.5b-mlx
-  for wb in 1 16; do
-    MESH_LLM_WARM_BATCH=$wb timeout 150 python3 benchmarks/gpu_warm_sizes.py "$m" --max-batch 16 \
-      --label "warm batch $wb" 2>&1 | tail -1 || true
-  done
-  for wb in ${WARM_BATCHES:-1 4 32}; do
-    MESH_LLM_WARM_BATCH=$wb timeout 120 python3 benchmarks/startup.py --runs 2 --label "max-batch 32, warm $wb" -- \
-      --engine mlx --model "$m" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
+  timeout 150 python3 benchmarks/gpu_warm_sizes.py "$m" --max-batch 16 --label "as shipped" 2>&1 | tail -1 || true
+  for mb in 32 8; do
+    timeout 120 python3 benchmarks/startup.py --runs 2 --label "max-batch $mb" -- \
+      --engine mlx --model "$m" --ctx-size 2048 --max-batch "$mb" 2>&1 | tail -n +2 || true
   done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products

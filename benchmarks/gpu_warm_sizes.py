@@ -2,10 +2,9 @@
 
     python3 benchmarks/gpu_warm_sizes.py MODEL_FOLDER [--max-batch 16] [--prompt 640] [--label NAME]
 
-The engine loads with ``MESH_LLM_WARM_BATCH`` as set (batch sizes warmed before ready), then grows a
-batch one row at a time, as arrivals do: each new row's prompt read and joined (``join_ms``, the
-steps until it decodes) and the next three decode steps of the grown batch (``steps_ms``). All rows
-then leave and the same ramp runs again, every size now seen once: the first ramp's excess over the
+The engine loads with its warm-up (``--no-warm-up``: without), then grows a batch one row at a time,
+as arrivals do: each new row's prompt read and joined (``join_ms``, the steps until it decodes) and
+the next three decode steps of the grown batch (``steps_ms``). All rows then leave and the same ramp runs again, every size now seen once: the first ramp's excess over the
 second is what an unwarmed size costs, once per process. Prints one JSON line; appends it to
 $OUT/warm-sizes.jsonl when OUT is set.
 """
@@ -67,8 +66,7 @@ def main() -> None:
     again = ramp(engine, args.max_batch, args.prompt, salt=2)
     excess = [round(a["join_ms"] + a["steps_ms"][0] - b["join_ms"] - b["steps_ms"][0], 1)
               for a, b in zip(first, again)]
-    record = {"label": args.label, "warm_batch": os.environ.get("MESH_LLM_WARM_BATCH", "(max batch)"),
-              "warm_up": engine.info().details.get("warm_up", "off"), "load_s": round(loaded, 2),
+    record = {"label": args.label, "warm_up": engine.info().details.get("warm_up", "off"), "load_s": round(loaded, 2),
               "prompt": args.prompt, "first": first, "again": again,
               "excess_ms": excess, "excess_total_ms": round(sum(excess), 1)}
     line = json.dumps(record)

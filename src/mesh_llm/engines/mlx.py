@@ -280,8 +280,11 @@ class MLXEngine(Engine):
         """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
         each kernel on its first use (then keeps it on disk, MLX_PTX_CACHE_DIR) and plans each new
         matrix product and attention shape once per process, which made a first request 5-17x slower
-        than later ones. A prompt of one and a half chunks, then decode steps at every batch size up to
-        ``max_batch``, a row joining at a time. Nothing reaches the prompt cache. Returns seconds."""
+        than later ones. A prompt of one and a half chunks, then decode steps of one row and of two,
+        whose first use compiles the batched decode attention (2.2-2.4 s on the H200, every process:
+        ``mlx_attention``). Larger batch sizes are left to serving: a size's first join and step cost
+        10-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
+        sizes (benchmarks/results/h200-20261204c/). Nothing reaches the prompt cache. Returns seconds."""
         started, caching = time.perf_counter(), self._caching
         self._caching = False
         try:
@@ -290,7 +293,7 @@ class MLXEngine(Engine):
             short = max(2, min(16, self._context - 4))
             greedy = SamplingParams(temperature=0.0)
             buckets = range(self._bucket, min(chunk, self._context - 4), self._bucket) if self._bucket else ()
-            rows = min(self._max_batch, int(os.environ.get("MESH_LLM_WARM_BATCH") or self._max_batch))
+            rows = min(self._max_batch, 2)
             steps = 4 + 2 * rows + 2 * len(buckets)  # no row ends before the last step
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
@@ -306,7 +309,7 @@ class MLXEngine(Engine):
                 self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
                 self.step(chunk)
                 self.step(chunk)
-            phases.append((f"batch sizes 2 to {rows}", time.perf_counter()))
+            phases.append((f"batch sizes up to {rows}", time.perf_counter()))
         finally:
             for seq in list(self._seqs):
                 self.remove(seq)

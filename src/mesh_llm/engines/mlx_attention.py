@@ -26,6 +26,10 @@ from mlx_lm.models.cache import BatchKVCache
 # Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
 # multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
 # layer against 20 and 22 for MLX's own one-row kernel: benchmarks/results/h200-host-20261203/), else 8.
+# The count is the launch's, not a template argument: MLX 0.32 compiles each template instance of a
+# custom kernel afresh in every process (2.2-2.4 s with NVRTC; it keeps only its own kernels on disk),
+# and a second instance cost a server one more such pause the first time its batch passed 9 rows
+# (0.5B) or 4 (7B): benchmarks/results/h200-20261204c/.
 _WARPS_FEW, _WARPS_MANY, _FEW_BLOCKS = 32, 8, 128
 _HEAD_SIZES = (64, 96, 128, 256)
 # mlx-lm architectures read: each layer holding a plain KV cache masks only its rows' left padding in
@@ -41,6 +45,7 @@ _SOURCE = """
     const int kv_head = h / (HQ / HKV);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
     constexpr int PER_LANE = D / 32;
     const int length = LENGTH;
     const int first = starts[b];
@@ -55,7 +60,7 @@ _SOURCE = """
     const T* vb = v + b * v_strides[0] + kv_head * v_strides[1] + lane * PER_LANE;
     float m = -inf, l = 0.0f, acc[PER_LANE];
     for (int i = 0; i < PER_LANE; ++i) acc[i] = 0.0f;
-    for (int j = first + warp; j < length; j += WARPS) {
+    for (int j = first + warp; j < length; j += warps) {
         const T* kj = kb + j * k_strides[2];
         float s = 0.0f;
         for (int i = 0; i < PER_LANE; ++i) s += qv[i] * static_cast<float>(kj[i]);
@@ -69,9 +74,9 @@ _SOURCE = """
         m = m_new;
     }
 
-    __shared__ float warp_max[WARPS];
-    __shared__ float warp_sum[WARPS];
-    __shared__ float warp_out[WARPS][D];
+    __shared__ float warp_max[32];
+    __shared__ float warp_sum[32];
+    __shared__ float warp_out[32][D];
     if (lane == 0) {
         warp_max[warp] = m;
         warp_sum[warp] = l;
@@ -80,9 +85,9 @@ _SOURCE = """
     __syncthreads();
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float top = -inf;
-        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w]);
+        for (int w = 0; w < warps; ++w) top = fmaxf(top, warp_max[w]);
         float total = 0.0f, value = 0.0f;
-        for (int w = 0; w < WARPS; ++w) {
+        for (int w = 0; w < warps; ++w) {
             const float c = warp_max[w] == -inf ? 0.0f : expf(warp_max[w] - top);
             total += warp_sum[w] * c;
             value += warp_out[w][d] * c;
@@ -132,8 +137,7 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     inputs = [queries, keys, values, starts.astype(mx.int32), mx.array([scale], dtype=mx.float32)]
     (out,) = _kernels[dynamic](
         inputs=inputs + ([write] if dynamic else []),
-        template=[("T", queries.dtype), ("HQ", heads), ("HKV", keys.shape[1]), ("D", size),
-                  ("WARPS", warps)],
+        template=[("T", queries.dtype), ("HQ", heads), ("HKV", keys.shape[1]), ("D", size)],
         grid=(batch * heads * 32 * warps, 1, 1),
         threadgroup=(32 * warps, 1, 1),
         output_shapes=[queries.shape],
