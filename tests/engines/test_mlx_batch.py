@@ -72,11 +72,12 @@ def sibling(engine, pipelined=None, together=None, model=None, traced=False, buc
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass, and
     ``traced``: decode through the compiled step (engines/mlx_compiled.py), as on a GPU (the defaults
-    there), to check those paths on this CPU."""
-    if traced:
+    there), and ``bucket``: prompt chunks padded and their keys read in steps (mlx_attention), to
+    check those paths on this CPU."""
+    if traced or bucket:
         from mesh_llm.engines import mlx_attention
 
-        assert mlx_attention.install(engine._model, traced=True)
+        assert mlx_attention.install(engine._model, traced=traced, in_steps=bool(bucket))
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
                      EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined,
                      together=together, traced=traced, bucket=bucket)
@@ -481,6 +482,27 @@ def test_the_fused_decode_attention_takes_only_one_query_over_a_batch_cache():
     assert (llama.scaled_dot_product_attention is before) is not mx.cuda.is_available()
 
 
+def test_a_chunk_reading_keys_in_steps_attends_as_mlx_lm_does():
+    """prefill_in_steps: a 5-position chunk after 300 cached ones, over a buffer of 812 positions
+    whose last hold stale values, reads 512 keys and gives mlx-lm's causal attention over the 305."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mesh_llm.engines.mlx_attention import prefill_in_steps
+
+    cache = KVCache()
+    k1, k2, k3 = mx.random.split(mx.random.key(3), 3)
+    cache.update_and_fetch(mx.random.normal((1, 2, 300, 64), key=k1), mx.random.normal((1, 2, 300, 64), key=k2))
+    cache.update_and_fetch(mx.random.normal((1, 2, 400, 64), key=k2), mx.random.normal((1, 2, 400, 64), key=k1))
+    cache.trim(400)  # stale positions 300-699 stay in the buffer
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, 5, 64), key=k3),
+                                          mx.random.normal((1, 2, 5, 64), key=k1))
+    assert cache.keys.shape[2] == 812 and keys.shape[2] == 305
+    queries = mx.random.normal((1, 4, 5, 64), key=k3)
+    want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    assert mx.allclose(prefill_in_steps(queries, cache, 0.125), want, atol=1e-5).item()
+
+
 def test_a_traced_step_refuses_a_model_whose_attention_is_not_routed():
     """Without mlx_attention's routing, mlx-lm's attention would read a traced step's whole buffer,
     unwritten positions included: refused at once instead."""
@@ -496,11 +518,17 @@ def test_a_traced_step_refuses_a_model_whose_attention_is_not_routed():
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["one-pass-each", "together"])
-def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together):
+def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together, monkeypatch):
     """``bucket`` (MESH_LLM_PREFILL_BUCKET): every prompt chunk padded to a multiple of 12 tokens (at
-    most the 32-token chunk) and the padding trimmed from the caches again, alone and read together:
-    the warm-up reads each padded width once, each sequence answers as it does unpadded, and a
-    prompt stored by the prompt cache resumes with its real tokens only."""
+    most the 32-token chunk), its attention over keys read in 256-position steps, and the padding
+    trimmed from the caches again, alone and read together: the warm-up reads each padded width,
+    each sequence answers as it does unpadded, and a prompt stored by the prompt cache resumes with
+    its real tokens only."""
+    from mesh_llm.engines import mlx_attention
+
+    stepped, in_steps = [], mlx_attention.prefill_in_steps
+    monkeypatch.setattr(mlx_attention, "prefill_in_steps",
+                        lambda q, cache, scale: stepped.append(q.shape[2]) or in_steps(q, cache, scale))
     model = CountingModel(smollm._model)
     engine = sibling(smollm, together=together, model=model, bucket=12)
     assert engine.info().details["prefill_bucket"] == "prompt chunks padded to a multiple of 12 tokens"
@@ -511,6 +539,7 @@ def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together):
     alone = [run_alone(smollm, c) for c in cases]
     same_as_alone(cases, alone, run_batched(engine, cases, budget=4096))
     assert set(model.chunk_widths) <= {12, 24, 32}, model.chunk_widths
+    assert set(stepped) == {12, 24, 32}  # every chunk's attention, one call a layer
     again = run_alone(engine, replace(cases[0], tokens=4))
     assert again[0].cached_tokens == len(cases[0].prompt) - 1
     assert [s.token for s in again] == [s.token for s in alone[0][:4]]

@@ -66,6 +66,13 @@ MEMORY_SHARE = 0.75
 # at 16: README, "Continuous batching").
 MAX_BATCH_GPU, MAX_BATCH_CPU = 32, 8
 _CLEAR_EVERY = 256  # steps between returns of the allocator's cached buffers
+# Prompt chunks padded to a multiple of this many tokens on CUDA (MESH_LLM_PREFILL_BUCKET; 0: off), so
+# that a new prompt length reuses MLX's CUDA graphs instead of building them again (with
+# mlx_attention.prefill_in_steps). On the H200, three runs each: the first 640-token request after
+# the warm-up got its first token in 27.9-41.6 ms padded against 44.0-63.8 unpadded, a 641-token one
+# after it in 23.6-39.2 against 42.8-65.3 (benchmarks/results/h200-20261204c/prefill-steps/).
+# Elsewhere padding only adds arithmetic.
+CUDA_PREFILL_BUCKET = 64
 
 
 class _Sequence(Row):
@@ -95,18 +102,18 @@ class MLXEngine(Engine):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
-                 traced: bool = False, bucket: int | None = None):
+                 traced: bool = False, bucket: int = 0):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
         cost grows with the rows, and one pass per sequence keeps its results those of a solo run).
         ``traced``: decode steps through ``mlx_compiled`` (the model's attention must be routed by
         ``mlx_attention.install(model, traced=True)``). ``bucket``: prompt chunks padded to a
-        multiple of this many tokens, the padding then cut from the KV (plain KV caches only; default
-        ``MESH_LLM_PREFILL_BUCKET``, else 0: off). On CUDA a chunk of a new length rebuilds MLX's
-        CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt on the H200: benchmarks/GPU.md); with
-        buckets a prompt of any length reads chunks of shapes the warm-up has read. Not yet measured
-        on a GPU, so off by default."""
+        multiple of this many tokens, the padding then cut from the KV (plain KV caches only; 0: off),
+        and their attention reading keys in whole steps where routed
+        (``mlx_attention.install(model, in_steps=True)``). On CUDA a chunk of a new width or key count
+        rebuilds MLX's CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt on the H200:
+        benchmarks/GPU.md); with both bounded, prompts of any length make few shapes."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -127,8 +134,6 @@ class MLXEngine(Engine):
             together = on_gpu() and os.environ.get("MESH_LLM_PREFILL_TOGETHER", "1") != "0"
         plain = all(type(c) is KVCache for c in fresh)
         self._together = together and plain  # stacked, split again
-        if bucket is None:
-            bucket = int(os.environ.get("MESH_LLM_PREFILL_BUCKET") or 0)
         self._bucket = bucket if plain and bucket > 0 else 0  # cut back by trimming the caches
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
@@ -161,7 +166,9 @@ class MLXEngine(Engine):
         # An experiment, on a GPU only (README, "MLX on a GPU"); a CPU's mx.compile also needs a C++
         # compiler at run time, and its tests build the engine with traced=True.
         traced = on_gpu() and os.environ.get("MESH_LLM_COMPILED_DECODE", "0") == "1"
-        routed = mlx_attention.install(model, traced)
+        cuda = on_gpu() and not mx.metal.is_available()
+        bucket = int(os.environ.get("MESH_LLM_PREFILL_BUCKET") or (CUDA_PREFILL_BUCKET if cuda else 0))
+        routed = mlx_attention.install(model, traced, in_steps=bucket > 0)
         traced = routed and traced
         if routed and mlx_attention.fused_here():
             details["decode_attention"] = "one fused kernel for batched rows"
@@ -171,7 +178,7 @@ class MLXEngine(Engine):
             details["threads"] = str(threads)
         if kernels:
             details["kernel_cache"] = kernels
-        engine = cls(model, tokenizer, config, ctx, options, details, fmt, traced=traced)
+        engine = cls(model, tokenizer, config, ctx, options, details, fmt, traced=traced, bucket=bucket)
         if on_gpu() if options.warm_up is None else options.warm_up:
             try:
                 seconds = engine.warm_up()
@@ -292,18 +299,19 @@ class MLXEngine(Engine):
             long = max(2, min(chunk + chunk // 2, self._context - 4))
             short = max(2, min(16, self._context - 4))
             greedy = SamplingParams(temperature=0.0)
-            buckets = range(self._bucket, min(chunk, self._context - 4), self._bucket) if self._bucket else ()
+            buckets = range(self._bucket, min(chunk, self._context - 4) + 1, self._bucket) if self._bucket else ()
             rows = min(self._max_batch, 2)
-            steps = 4 + 2 * rows + 2 * len(buckets)  # no row ends before the last step
+            steps = 4 + 2 * rows + 6 * len(buckets)  # no row ends before the last step
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
                 self.step(4 * chunk)
             phases = [(f"a prompt of {long} tokens", time.perf_counter())]
-            for size in buckets:  # every padded chunk shape, read once
-                self.add(-99, [(5 * i + size) % self._vocab for i in range(size + 1)], greedy, 1)
-                self.step(chunk)
-                self.step(chunk)
-                self.remove(-99)
+            for size in buckets:  # every padded width, first in a prompt and after a whole chunk
+                for offset in {0, min(chunk, self._context - 4 - size)}:
+                    self.add(-99, [(5 * i + size) % self._vocab for i in range(offset + size + 1)], greedy, 1)
+                    for _ in range(3):
+                        self.step(chunk)
+                    self.remove(-99)
             phases.append((f"{len(buckets)} padded widths", time.perf_counter()))
             for row in range(rows - 1):
                 self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
@@ -393,7 +401,8 @@ class MLXEngine(Engine):
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
         start = s.read
         pad = self._padded(start, end) - (end - start)
-        self._model(mx.array(s.prompt[start:end] + [0] * pad)[None], cache=s.cache)
+        with mlx_attention.keys_in_steps(bool(self._bucket)):
+            self._model(mx.array(s.prompt[start:end] + [0] * pad)[None], cache=s.cache)
         for c in s.cache if pad else ():
             c.trim(pad)  # the padding follows the chunk's tokens: the causal mask kept it out of them
         self._evaluate([c.state for c in s.cache])
@@ -417,7 +426,8 @@ class MLXEngine(Engine):
                 c.values = mx.concatenate([s.cache[layer].values[..., :start, :] for s, _ in rows])
                 c.offset = start
             batch.append(c)
-        self._model(tokens, cache=batch)
+        with mlx_attention.keys_in_steps(bool(self._bucket)):
+            self._model(tokens, cache=batch)
         state = []
         for i, (s, end) in enumerate(rows):
             s.cache = [kv_copy(c.keys[i:i + 1, :, :end], c.values[i:i + 1, :, :end], now=False)

@@ -10,18 +10,20 @@ as an input: one thread block per (row, query head), 8 or 32 warps walking the r
 online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
 on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a traced
-decode step's (:class:`StepKV`, ``mlx_compiled``, any device) to :func:`attend`; every other call stays
-mlx-lm's.
+decode step's (:class:`StepKV`, ``mlx_compiled``, any device) to :func:`attend`, and a prompt chunk
+read under :func:`keys_in_steps` to :func:`prefill_in_steps`; every other call stays mlx-lm's.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
 # multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
@@ -97,6 +99,8 @@ _SOURCE = """
 """
 
 _kernels: dict[bool, object] = {}
+KEY_STEP = 256  # positions a prompt chunk's keys are read in (mlx-lm's KVCache grows by as many)
+_in_steps = contextvars.ContextVar("mesh_llm_keys_in_steps", default=False)
 
 
 class StepKV:
@@ -157,6 +161,30 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: StepKV, s
                                                 mask=mask[:, None, None, :], sinks=sinks)
 
 
+@contextmanager
+def keys_in_steps(on: bool = True):
+    """Prompt chunks read in this block attend over their cache's keys in whole :data:`KEY_STEP`
+    steps (:func:`prefill_in_steps`)."""
+    token = _in_steps.set(on)
+    try:
+        yield
+    finally:
+        _in_steps.reset(token)
+
+
+def prefill_in_steps(queries: mx.array, cache: KVCache, scale: float) -> mx.array:
+    """A prompt chunk's causal attention over its cache's keys read up to the next multiple of
+    :data:`KEY_STEP` positions, the rest masked. On CUDA MLX rebuilds its graphs for every new pair
+    of chunk width and key count (cuBLAS picks other kernels for the scores' product); with chunks
+    padded to a bucket (``MESH_LLM_PREFILL_BUCKET``) and keys read in steps, prompts of any length
+    make a few pairs, each built once."""
+    width, end = queries.shape[2], cache.offset
+    length = min(cache.keys.shape[2], -(-end // KEY_STEP) * KEY_STEP)
+    mask = mx.arange(length)[None] <= mx.arange(end - width, end)[:, None]  # stale positions too
+    return mx.fast.scaled_dot_product_attention(queries, cache.keys[..., :length, :],
+                                                cache.values[..., :length, :], scale=scale, mask=mask)
+
+
 def fused_here() -> bool:
     """Whether a batched decode step's attention is :func:`decode_attention` here: on CUDA, unless
     ``MESH_LLM_FUSED_DECODE=0``."""
@@ -179,14 +207,15 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -
     return type(cache) is BatchKVCache and sinks is None and _fits(queries, keys, values)
 
 
-def install(model, traced: bool = False) -> bool:
+def install(model, traced: bool = False, in_steps: bool = False) -> bool:
     """Route the attention of ``model``'s architecture (its mlx-lm module's
     ``scaled_dot_product_attention``): a :class:`StepKV` cache's (``traced``, any device) to
-    :func:`attend`, and on CUDA, unless ``MESH_LLM_FUSED_DECODE=0``, a decode step over a
-    ``BatchKVCache`` to :func:`decode_attention`. Every other call stays mlx-lm's. Returns whether
-    the architecture's attention is routed (else a traced step cannot run on it)."""
+    :func:`attend`; a prompt chunk over a plain ``KVCache`` under :func:`keys_in_steps` (``in_steps``,
+    any device) to :func:`prefill_in_steps`; and on CUDA, unless ``MESH_LLM_FUSED_DECODE=0``, a decode
+    step over a ``BatchKVCache`` to :func:`decode_attention`. Every other call stays mlx-lm's.
+    Returns whether the architecture's attention is routed (else a traced step cannot run on it)."""
     fused = fused_here()
-    if not (fused or traced):
+    if not (fused or traced or in_steps):
         return False
     name = type(model).__module__
     module = sys.modules.get(name)
@@ -198,6 +227,9 @@ def install(model, traced: bool = False) -> bool:
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
         if type(cache) is StepKV:
             return attend(queries, keys, values, cache, scale, sinks)
+        if (_in_steps.get() and type(cache) is KVCache and isinstance(mask, str) and mask == "causal"
+                and sinks is None and queries.shape[2] > 1):
+            return prefill_in_steps(queries, cache, scale)
         if fused and applies(queries, keys, values, cache, sinks):
             return decode_attention(queries, keys, values, scale, cache.left_padding)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
