@@ -66,8 +66,8 @@ def main() -> None:
     again = ramp(engine, args.max_batch, args.prompt, salt=2)
     excess = [round(a["join_ms"] + a["steps_ms"][0] - b["join_ms"] - b["steps_ms"][0], 1)
               for a, b in zip(first, again)]
-    record = {"label": args.label, "warm_up": engine.info().details.get("warm_up", "off"), "load_s": round(loaded, 2),
-              "prompt": args.prompt, "first": first, "again": again,
+    record = {"label": args.label, "warm_up": engine.info().details.get("warm_up", "off"),
+              "load_s": round(loaded, 2), "prompt": args.prompt, "first": first, "again": again,
               "excess_ms": excess, "excess_total_ms": round(sum(excess), 1)}
     line = json.dumps(record)
     print(line)
