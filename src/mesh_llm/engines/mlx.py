@@ -287,10 +287,11 @@ class MLXEngine(Engine):
         """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
         each kernel on its first use (then keeps it on disk, MLX_PTX_CACHE_DIR) and plans each new
         matrix product and attention shape once per process, which made a first request 5-17x slower
-        than later ones. A prompt of one and a half chunks, then decode steps of one row and of two,
-        whose first use compiles the batched decode attention (2.2-2.4 s on the H200, every process:
+        than later ones. A prompt of one and a half chunks; with chunks padded to a bucket, each padded
+        width at the start and after a whole chunk; then decode steps of one row and of two, whose
+        first use compiles the batched decode attention (2.2-2.4 s on the H200, every process:
         ``mlx_attention``). Larger batch sizes are left to serving: a size's first join and step cost
-        10-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
+        6-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
         sizes (benchmarks/results/h200-20261204c/). Nothing reaches the prompt cache. Returns seconds."""
         started, caching = time.perf_counter(), self._caching
         self._caching = False
