@@ -15,6 +15,7 @@ Engines are not thread-safe: the runtime creates, uses and closes each one on a 
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,9 @@ class NoCapacity(Exception):
 
 # On a GPU, prompt chunks (``EngineOptions.prefill_step`` tokens each) one step reads while other
 # sequences decode (2,048 tokens by default, as llama-server's n_batch): a pass over several
-# newcomers' chunks costs little more than over one
-GPU_PREFILL_CHUNKS = 4
+# newcomers' chunks costs little more than over one (MESH_LLM_GPU_PREFILL_CHUNKS: another count, to
+# compare)
+GPU_PREFILL_CHUNKS = int(os.environ.get("MESH_LLM_GPU_PREFILL_CHUNKS") or 4)
 
 
 @dataclass(frozen=True)
