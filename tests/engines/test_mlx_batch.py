@@ -430,6 +430,16 @@ def test_warm_up_leaves_nothing_behind_and_changes_no_output(smollm):
     engine.close()
 
 
+def test_the_warm_up_reads_every_padded_width_with_room_for_one_sequence(smollm):
+    """At ``max_batch`` 1 as at 8 (a padded width once went in beside the warm-up's long prompt: the
+    engine had no room, and the whole warm-up was skipped)."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, model=model, bucket=12, max_batch=1)
+    assert engine.warm_up() > 0
+    assert set(model.chunk_widths) == {12, 24, 32} and not engine._seqs
+    engine.close()
+
+
 def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
     """``mlx_sampling.scores`` skips the normalisation where nothing depends on it: greedy picks,
     top-k, min-p and seeded draws take the same tokens from float16 logits as from log-probabilities;

@@ -287,8 +287,8 @@ class MLXEngine(Engine):
         """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
         each kernel on its first use (then keeps it on disk, MLX_PTX_CACHE_DIR) and plans each new
         matrix product and attention shape once per process, which made a first request 5-17x slower
-        than later ones. A prompt of one and a half chunks; with chunks padded to a bucket, each padded
-        width at the start and after a whole chunk; then decode steps of one row and of two, whose
+        than later ones. With chunks padded to a bucket, each padded width at the start and after a
+        whole chunk; a prompt of one and a half chunks; then decode steps of one row and of two, whose
         first use compiles the batched decode attention (2.2-2.4 s on the H200, every process:
         ``mlx_attention``). Larger batch sizes are left to serving: a size's first join and step cost
         6-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
@@ -302,18 +302,18 @@ class MLXEngine(Engine):
             greedy = SamplingParams(temperature=0.0)
             buckets = range(self._bucket, min(chunk, self._context - 4) + 1, self._bucket) if self._bucket else ()
             rows = min(self._max_batch, 2)
-            steps = 4 + 2 * rows + 6 * len(buckets)  # no row ends before the last step
-            self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
-            for _ in range(4):
-                self.step(4 * chunk)
-            phases = [(f"a prompt of {long} tokens", time.perf_counter())]
             for size in buckets:  # every padded width, first in a prompt and after a whole chunk
                 for offset in {0, min(chunk, self._context - 4 - size)}:
                     self.add(-99, [(5 * i + size) % self._vocab for i in range(offset + size + 1)], greedy, 1)
                     for _ in range(3):
                         self.step(chunk)
                     self.remove(-99)
-            phases.append((f"{len(buckets)} padded widths", time.perf_counter()))
+            phases = [(f"{len(buckets)} padded widths", time.perf_counter())]
+            steps = 4 + 2 * rows  # no row ends before the last step
+            self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
+            for _ in range(4):
+                self.step(4 * chunk)
+            phases.append((f"a prompt of {long} tokens", time.perf_counter()))
             for row in range(rows - 1):
                 self.add(-101 - row, [(13 * i + row) % self._vocab for i in range(short)], greedy, steps)
                 self.step(chunk)
