@@ -171,6 +171,8 @@ BAD = [
         "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
     ("json_schema without schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema"}},
      "response_format"),
+    ("a schema with type text", CHAT, {"messages": USER, "response_format": {"type": "text", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
     ("unknown response_format type", CHAT, {"messages": USER, "response_format": {"type": "yaml"}},
      "response_format.type"),
     ("unknown tool in tool_choice", CHAT, {"messages": USER, "tools": CHAT_TOOLS,

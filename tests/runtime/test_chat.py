@@ -61,3 +61,15 @@ def test_a_broken_template_is_a_template_error():
 def test_the_sandbox_blocks_attribute_escapes():
     with pytest.raises(TemplateError):
         render_chat(Tok("{{ ''.__class__.__mro__[1].__subclasses__() }}"), [])
+
+
+def test_a_participants_name_reaches_templates_that_render_it():
+    """OpenAI's ``name`` on any message (several users or agents in one chat), as llama.cpp's server
+    and vLLM hand it to the template; templates without it render as before."""
+    from mesh_llm.api.schemas import Message
+
+    messages = [Message(role="user", content="Hi", name="ada").chat_dict(),
+                Message(role="assistant", content="Hello").chat_dict()]
+    assert "name" not in messages[1]
+    template = "{% for m in messages %}{{ m.get('name', '-') }}:{{ m['content'] }};{% endfor %}"
+    assert render_chat(Tok(template), messages, add_generation_prompt=False) == "ada:Hi;-:Hello;"

@@ -56,7 +56,7 @@ class Message(BaseModel):
             out["tool_calls"] = [c.model_dump(include={"id", "type", "function"}) for c in self.tool_calls]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
-        if self.name and self.role == "tool":
+        if self.name:  # a participant's name, or a tool's: for templates that render it
             out["name"] = self.name
         return out
 
@@ -166,6 +166,8 @@ class ResponseFormat(BaseModel):
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"a json_schema is read only with type json_schema, not {self.type}")
         return self
 
     def schema_or_none(self) -> dict[str, Any] | None:
