@@ -15,11 +15,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.chat_tools import chat_plan
 from mesh_llm.api.errors import APIError, error_response, unsupported
-from mesh_llm.api.generation import collect_unless_left, open_generation, stream_response
+from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import GenerationError, ResponseBuilder
 from mesh_llm.api.responses_api import install_responses
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mesh_llm.engines.base import SamplingParams
+from mesh_llm.runtime.prompt_limit import PromptTooLong, encode_within
 from mesh_llm.runtime.tools import ChatPlan
 from mesh_llm.runtime.worker import ModelWorker
 
@@ -94,7 +95,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
         served = lookup(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        plan = await chat_plan(served.worker.tokenizer, body)
+        room = PromptRoom.of(served.worker, body.token_limit(), "messages")
+        plan = await chat_plan(served.worker.tokenizer, body, room)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await _complete(served, body, plan.prompt, logprobs, "chat", request, plan)
 
@@ -109,7 +111,12 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = await run_in_threadpool(served.worker.tokenizer.encode, prompt, True)
+            room = PromptRoom.of(served.worker, body.token_limit(), "prompt")
+            try:
+                ids = await run_in_threadpool(encode_within, served.worker.tokenizer, prompt, True,
+                                              room.tokens)
+            except PromptTooLong as exc:
+                raise room.exceeded(exc.at_least) from None
         else:
             ids = list(prompt)
             vocab = served.worker.tokenizer.vocab_size

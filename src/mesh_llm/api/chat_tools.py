@@ -7,16 +7,19 @@ import asyncio
 from typing import Any
 
 from mesh_llm.api.errors import APIError, unsupported
+from mesh_llm.api.generation import PromptRoom
 from mesh_llm.api.schemas import ChatCompletionRequest, NamedToolChoice
 from mesh_llm.engines.base import Tokenizer
 from mesh_llm.runtime.chat import TemplateError
+from mesh_llm.runtime.prompt_limit import PromptTooLong
 from mesh_llm.runtime.tool_formats import Function
 from mesh_llm.runtime.tools import ChatPlan, ToolChoice, ToolRequestError, plan_chat
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-async def chat_plan(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ChatPlan:
+async def chat_plan(tokenizer: Tokenizer, body: ChatCompletionRequest,
+                    room: PromptRoom | None = None) -> ChatPlan:
     refused = body.refused_field()
     if refused is not None:
         raise unsupported(refused)
@@ -25,7 +28,7 @@ async def chat_plan(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ChatPl
     choice = tool_choice(body.tool_choice)
     schema = body.response_format.schema_or_none() if body.response_format else None
     return await make_plan(tokenizer, [m.chat_dict() for m in body.messages], functions, choice,
-                           body.parallel_tool_calls, schema)
+                           body.parallel_tool_calls, schema, room=room)
 
 
 def tool_choice(value: str | NamedToolChoice | None) -> ToolChoice:
@@ -36,12 +39,14 @@ def tool_choice(value: str | NamedToolChoice | None) -> ToolChoice:
 
 async def make_plan(tokenizer: Tokenizer, messages: list[dict[str, Any]], functions: list[Function],
                     choice: ToolChoice, parallel: bool, schema: dict[str, Any] | None,
-                    fields: dict[str, str] | None = None) -> ChatPlan:
+                    fields: dict[str, str] | None = None, room: PromptRoom | None = None) -> ChatPlan:
     """Renders and compiles off the event loop (a first constrained request builds the model's token
-    table: 0.1-0.5 s)."""
+    table: 0.1-0.5 s). A prompt that provably does not fit ``room`` is refused before tokenizing."""
     try:
         return await asyncio.to_thread(plan_chat, tokenizer, messages, functions, choice, parallel, schema,
-                                       fields)
+                                       fields, room.tokens if room is not None else None)
+    except PromptTooLong as exc:
+        raise room.exceeded(exc.at_least) from None
     except ToolRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except TemplateError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -14,6 +15,30 @@ from fastapi.responses import Response, StreamingResponse
 from mesh_llm.api.errors import APIError
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.worker import Generation, GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """The prompt tokens a request leaves room for (the context less the tokens it asks for, at
+    least one), to refuse a longer prompt before tokenizing it (``runtime.prompt_limit``)."""
+
+    context: int
+    max_tokens: int | None
+    param: str  # the field the prompt came in
+
+    @classmethod
+    def of(cls, worker: ModelWorker, max_tokens: int | None, param: str) -> PromptRoom:
+        return cls(worker.info.context_length, max_tokens, param)
+
+    @property
+    def tokens(self) -> int:
+        return self.context - (self.max_tokens or 1)
+
+    def exceeded(self, at_least: int) -> APIError:
+        """The 400 :func:`open_generation` would give once the prompt were tokenized."""
+        asked = f" and {self.max_tokens} more were asked for" if self.max_tokens else ""
+        return APIError(400, f"this model's context is {self.context} tokens, but the prompt has at least "
+                        f"{at_least} tokens{asked}", param=self.param, code="context_length_exceeded")
 
 
 def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_tokens: int | None,

@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, Request
 
 from mesh_llm.api.chat_tools import make_plan
 from mesh_llm.api.errors import APIError
-from mesh_llm.api.generation import collect_unless_left, open_generation, stream_response
+from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses_schemas import NamedFunctionChoice, ResponsesRequest
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.tool_formats import Event, Function
@@ -38,7 +38,8 @@ def install_responses(app: FastAPI, lookup: Callable, require_key: Callable) -> 
         choice = ToolChoice("required", choice.name) if isinstance(choice, NamedFunctionChoice) \
             else ToolChoice(choice or "auto")
         plan = await make_plan(served.worker.tokenizer, body.chat_messages(), functions, choice,
-                               body.parallel_tool_calls, body.response_schema(), _FIELDS)
+                               body.parallel_tool_calls, body.response_schema(), _FIELDS,
+                               PromptRoom.of(served.worker, body.max_output_tokens, "input"))
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, constraint=plan.constraint)
         generation = open_generation(served.worker, plan.prompt, params, body.max_output_tokens,
                                      prompt_param="input")

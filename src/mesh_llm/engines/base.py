@@ -139,6 +139,12 @@ class Tokenizer(Protocol):
         """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
         ...
 
+    def min_tokens(self, text: str) -> int:
+        """At most ``len(encode(text, False))``, found in time linear in ``text`` without tokenizing
+        it (:class:`~mesh_llm.engines.token_floor.TokenFloor`): a prompt that cannot fit the context
+        is refused before a tokenizer spends long on it."""
+        ...
+
 
 class Engine(abc.ABC):
     """A loaded model serving up to ``max_batch`` sequences at once. Subclasses set ``name`` and

@@ -4,6 +4,10 @@ Built on the ``tokenizers`` library directly rather than transformers' ``PreTrai
 transformers re-sets truncation and padding on the shared Rust object on every call, which raises
 "Already borrowed" when the API thread encodes while the worker decodes. ``tokenizers.Tokenizer``'s
 ``encode``/``decode`` only read it, so one instance is safe to share between threads.
+
+``tokenizers`` splits at added tokens in linear time (Aho-Corasick), unlike llama.cpp, but a 6 MB chat
+still takes seconds: :meth:`HFTokenizer.min_tokens` bounds the count from below without tokenizing
+(:mod:`mesh_llm.engines.token_floor`), so a prompt that cannot fit is refused first.
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers import models as _models
 
 from mesh_llm.engines.base import EngineError
+from mesh_llm.engines.token_floor import TokenFloor, byte_level_chars
+
+# pre-tokenizers that only cut the text (those that may drop some of it are not here)
+_CUTTING_PRE = frozenset({"Split", "Digits", "Punctuation", "ByteLevel"})
 
 
 class HFTokenizer:
@@ -39,6 +48,7 @@ class HFTokenizer:
             eos.add(eos_id)
         self._eos_ids = frozenset(eos)
         self._template = chat_template or _template_from_config(config.get("chat_template"))
+        self._floor = _token_floor(tokenizer)
 
     @classmethod
     def from_folder(cls, folder: Path) -> HFTokenizer:
@@ -86,6 +96,10 @@ class HFTokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
+    def min_tokens(self, text: str) -> int:
+        """At most ``len(encode(text, False))``, found in linear time without tokenizing."""
+        return self._floor.min_tokens(text.encode("utf-8"))
+
     def to_json(self) -> str:
         """The ``tokenizer.json`` text (grammar libraries build their token tables from it)."""
         return self._tok.to_str()
@@ -94,6 +108,38 @@ class HFTokenizer:
         # Special tokens are kept: the runtime stops on EOS ids before decoding them, and any
         # other special token the model emits (<think>, tool-call markers) is part of its answer.
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _token_floor(tok: _RustTokenizer) -> TokenFloor:
+    """Added tokens are split out before anything else, leftmost-longest; always, unless the token is
+    single-word (only between word boundaries), normalized while a normalizer may change the text it
+    is looked for in, or special while the tokenizer is set to encode special tokens as text."""
+    added = list(tok.get_added_tokens_decoder().values())
+    countable = [a.content.encode("utf-8") for a in added
+                 if not a.single_word and not (a.normalized and tok.normalizer is not None)
+                 and not (a.special and tok.encode_special_tokens)]
+    specials = [a.content.encode("utf-8") for a in added]
+    return TokenFloor(specials, countable, *_bytes_per_token(tok, added))
+
+
+def _bytes_per_token(tok: _RustTokenizer, added: list) -> tuple[int | None, bytes]:
+    """The most input bytes one token can stand for, and the bytes it may drop, where each other
+    input byte is covered by a token whose text holds it: byte-level BPE (each byte becomes a 1- or
+    2-byte character of its alphabet; one the vocab lacks is dropped, and merges make vocab tokens)
+    with no normalizer (NFC and others can shorten text), pre-tokenizers that only cut, and no added
+    token that takes in the whitespace around it. (None, b"") otherwise."""
+    if tok.normalizer is not None or not isinstance(tok.model, _models.BPE) or tok.pre_tokenizer is None:
+        return None, b""
+    pre = json.loads(tok.pre_tokenizer.__getstate__())
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not any(s.get("type") == "ByteLevel" for s in steps) or any(
+            s.get("type") not in _CUTTING_PRE or s.get("behavior") == "Removed" for s in steps):
+        return None, b""
+    if any(a.lstrip or a.rstrip for a in added):
+        return None, b""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    dropped = bytes(b for b, char in enumerate(byte_level_chars()) if char not in vocab)
+    return max((len(t.encode("utf-8")) for t in vocab), default=0) or None, dropped
 
 
 def _rust_tokenizer(folder: Path) -> _RustTokenizer:

@@ -16,6 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mesh_llm.engines.base import Tokenizer
+from mesh_llm.runtime.prompt_limit import encode_within
 
 # A plain ChatML template for models that ship none (as mlx-lm and llama.cpp fall back to).
 CHATML_TEMPLATE = (
@@ -69,6 +70,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
         raise TemplateError(f"the model's chat template failed: {exc}") from exc
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
-    """Token ids of the rendered conversation. The template writes any BOS itself, as in Hugging Face."""
-    return tokenizer.encode(render_chat(tokenizer, messages, **extra), add_special_tokens=False)
+def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], room: int | None = None,
+                **extra: Any) -> list[int]:
+    """Token ids of the rendered conversation. The template writes any BOS itself, as in Hugging Face.
+    :class:`~mesh_llm.runtime.prompt_limit.PromptTooLong` when it provably has more than ``room``."""
+    return encode_within(tokenizer, render_chat(tokenizer, messages, **extra), False, room)

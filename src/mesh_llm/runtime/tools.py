@@ -42,9 +42,11 @@ class ChatPlan:
 
 def plan_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], functions: list[Function] = (),
               choice: ToolChoice = ToolChoice(), parallel: bool = True,
-              response_schema: dict[str, Any] | None = None, fields: dict[str, str] | None = None) -> ChatPlan:
-    """Raises :class:`ToolRequestError` (and ``TemplateError`` from rendering) for a bad request.
-    ``fields`` renames the params errors name (the Responses API spells them differently)."""
+              response_schema: dict[str, Any] | None = None, fields: dict[str, str] | None = None,
+              room: int | None = None) -> ChatPlan:
+    """Raises :class:`ToolRequestError` (and ``TemplateError`` from rendering) for a bad request,
+    ``PromptTooLong`` for a prompt that provably has more than ``room`` tokens. ``fields`` renames
+    the params errors name (the Responses API spells them differently)."""
     fields = {"messages": "messages", "tools": "tools", "tool_choice": "tool_choice",
               "response_format": "response_format", **(fields or {})}
     messages = _with_tool_names(messages, fields["messages"])
@@ -58,7 +60,7 @@ def plan_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], functions: l
     required = choice.mode == "required"
     if fmt is not None:  # earlier calls are written in the format even when no tool may be called now
         messages, extra = fmt.prepare(messages, active, required, parallel and choice.function is None)
-    prompt = encode_chat(tokenizer, messages, **extra)
+    prompt = encode_chat(tokenizer, messages, room, **extra)
     grammars = grammars_for(tokenizer)
     grammar = None
     if active:

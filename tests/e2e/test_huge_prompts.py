@@ -1,0 +1,82 @@
+"""Prompts far over the context are a quick context_length_exceeded 400 on both engines, however they
+are made: a chat of 200,000 empty messages (6.4 MB, under the 8 MiB body limit) kept a core busy for
+more than ten minutes in llama.cpp's special-token splitting before the fix; 300,000 special-token
+strings as a text prompt, and megabytes of plain text. A normal request right after still works.
+
+No wall-clock threshold is asserted (machines are noisy), but the client gives up after 60 s, which
+the old behaviour could not meet: the requests fail rather than pass if the server pins a core."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import OpenAI
+
+MODEL = "SmolLM2-135M-Instruct"
+TIMEOUT = 60  # the old llama engine took more than ten minutes on the chat below
+
+
+@pytest.fixture(scope="module")
+def client(engine_server) -> OpenAI:
+    return OpenAI(base_url=engine_server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def assert_context_exceeded(exc: openai.BadRequestError, param: str) -> None:
+    assert exc.status_code == 400
+    error = exc.response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"].startswith("this model's context is 8192 tokens, but the prompt has at least ")
+
+
+def assert_still_serving(client: OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=4, temperature=0)
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens > 0
+
+
+def test_two_hundred_thousand_empty_messages(client):
+    messages = [{"role": "user", "content": ""}] * 200_000
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert_context_exceeded(caught.value, "messages")
+    assert_still_serving(client)
+
+
+def test_special_tokens_as_a_text_prompt(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="<|im_end|>" * 300_000, max_tokens=1)
+    assert_context_exceeded(caught.value, "prompt")
+    assert_still_serving(client)
+
+
+def test_special_tokens_in_one_message_without_max_tokens(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "<|im_start|>user\n<|im_end|>\n" * 100_000}])
+    assert_context_exceeded(caught.value, "messages")
+    assert "more were asked for" not in caught.value.response.json()["error"]["message"]
+
+
+def test_special_tokens_through_the_responses_api(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="<|endoftext|>" * 200_000, max_output_tokens=16)
+    assert_context_exceeded(caught.value, "input")
+    assert_still_serving(client)
+
+
+def test_megabytes_of_plain_text(client):
+    # 6 MB of digits: one token each, the slowest plain text for Hugging Face's tokenizer (about
+    # 2 s a megabyte here); over 8192 x the longest token's 162 bytes, so refused uncounted.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="7" * 6_000_000, max_tokens=1)
+    assert_context_exceeded(caught.value, "prompt")
+    assert_still_serving(client)
+
+
+def test_a_long_prompt_that_fits_is_still_served(client):
+    # 1,200 special tokens (the llama engine encodes them in pieces) among 3,300 tokens
+    messages = [{"role": "user", "content": ""}, {"role": "assistant", "content": "ok"}] * 300
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens > 3000 and reply.choices[0].finish_reason in ("length", "stop")
