@@ -166,8 +166,8 @@ class MLXEngine(Engine):
         # An experiment, on a GPU only (README, "MLX on a GPU"); a CPU's mx.compile also needs a C++
         # compiler at run time, and its tests build the engine with traced=True.
         traced = on_gpu() and os.environ.get("MESH_LLM_COMPILED_DECODE", "0") == "1"
-        cuda = on_gpu() and not mx.metal.is_available()
-        bucket = int(os.environ.get("MESH_LLM_PREFILL_BUCKET") or (CUDA_PREFILL_BUCKET if cuda else 0))
+        default = CUDA_PREFILL_BUCKET if mlx_attention.on_cuda() else 0
+        bucket = int(os.environ.get("MESH_LLM_PREFILL_BUCKET") or default)
         routed = mlx_attention.install(model, traced, in_steps=bucket > 0)
         traced = routed and traced
         if routed and mlx_attention.fused_here():
