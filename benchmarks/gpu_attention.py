@@ -26,13 +26,13 @@ def case(batch, hq, hkv, size, length, dtype, seed):
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
     q = mx.random.normal((batch, hq, 1, size), key=k1).astype(dtype)
-    buffer = 256 * ((length + 255) // 256)  # a cache's buffer, read as a view of its first positions
-    k = mx.random.normal((batch, hkv, buffer, size), key=k2).astype(dtype)[:, :, :length]
-    v = mx.random.normal((batch, hkv, buffer, size), key=k3).astype(dtype)[:, :, :length]
+    buffer = 256 * ((length + 255) // 256)  # a cache's buffer, of which the first positions are read
+    k = mx.random.normal((batch, hkv, buffer, size), key=k2).astype(dtype)
+    v = mx.random.normal((batch, hkv, buffer, size), key=k3).astype(dtype)
     starts = mx.random.randint(0, length, (batch,), key=k4).astype(mx.int32)
     starts = mx.where(mx.arange(batch) == 0, 0, starts)  # one row unpadded
     mask = mx.arange(length)[None, None, None, :] >= starts[:, None, None, None]
-    return q, k, v, starts, mask
+    return q, k, v, starts, mask, length
 
 
 def main() -> None:
@@ -42,10 +42,11 @@ def main() -> None:
             (2, 14, 2, 64, 37, mx.float16), (8, 14, 2, 64, 700, mx.float16), (8, 28, 4, 128, 900, mx.float16),
             (5, 8, 8, 96, 300, mx.bfloat16), (3, 16, 4, 256, 129, mx.float16), (32, 14, 2, 64, 1500, mx.float16),
             (4, 14, 2, 64, 64, mx.float32), (1, 14, 2, 64, 1, mx.float16)]):
-        q, k, v, starts, mask = case(b, hq, hkv, d, length, dtype, i)
+        q, k, v, starts, mask, n = case(b, hq, hkv, d, length, dtype, i)
         scale = d ** -0.5
-        fused = decode_attention(q, k, v, scale, starts).astype(mx.float32)
-        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
+        fused = decode_attention(q, k, v, scale, starts, length=n).astype(mx.float32)
+        ref = mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale,
+                                                   mask=mask).astype(mx.float32)
         err = mx.max(mx.abs(fused - ref)).item()
         worst = max(worst, err if dtype != mx.bfloat16 else err / 8)
         row = {"batch": b, "heads": hq, "kv_heads": hkv, "head_size": d, "keys": length, "dtype": str(dtype),
@@ -54,13 +55,14 @@ def main() -> None:
         print(row, flush=True)
     for name, (b, hq, hkv, d, length) in {"0.5B, 8 rows": (8, 14, 2, 64, 700), "0.5B, 32 rows": (32, 14, 2, 64, 700),
                                           "7B, 8 rows": (8, 28, 4, 128, 700)}.items():
-        q, k, v, starts, mask = case(b, hq, hkv, d, length, mx.float16, 99)
+        q, k, v, starts, mask, n = case(b, hq, hkv, d, length, mx.float16, 99)
         scale = d ** -0.5
         timings = {}
         sdpa = mx.fast.scaled_dot_product_attention
-        calls = {"fused": (decode_attention, (q, k, v, scale, starts), {}),
-                 "mlx masked": (sdpa, (q, k, v), {"scale": scale, "mask": mask}),
-                 "mlx unmasked": (sdpa, (q, k, v), {"scale": scale})}
+        kv = (k[:, :, :n], v[:, :, :n])
+        calls = {"fused": (decode_attention, (q, k, v, scale, starts), {"length": n}),
+                 "mlx masked": (sdpa, (q, *kv), {"scale": scale, "mask": mask}),
+                 "mlx unmasked": (sdpa, (q, *kv), {"scale": scale})}
         for label, (call, args, kwargs) in calls.items():
             def fn(call=call, args=args, kwargs=kwargs):
                 return call(*args, **kwargs)

@@ -31,6 +31,10 @@
 #      them again on a quiet machine, or after 5)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
+# or the twelfth session's order (the matrix on one machine, the build first, then MLX):
+#   1. build (carry .device/llama, timeout_s 45)  2. stage (carry .device/a)
+#   3. kernels (carry .device/b: GPU tests, while the build runs)  4. conc-llama (carry .device/elf,
+#   .device/b/extra)  5. conc-mlx (carry [])  6. startup-both (carry []): MLX and llama engine starts
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
@@ -467,6 +471,42 @@ gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against M
   # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)
   mlx_env
   timeout 300 python3 benchmarks/gpu_gemv.py --tokens "${TOKENS:-128}" 2>&1 | tee "$OUT/gemv.txt" || true
+  ;;
+kernels)  # carry [".device/b"], after build and stage: the decode attention built by NVRTC and kept on
+  # disk (engines/nvrtc.py): its GPU tests, error and time against MLX's attention, and what a restart's
+  # import costs (the slowest imports; a profile of importing mlx-lm, for transformers' share)
+  mlx_env
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  MESH_LLM_GPU_MODEL=$m timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/engines/test_mlx_gpu.py \
+    2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -8 || true
+  timeout 100 python3 benchmarks/gpu_attention.py 2>&1 | tail -5 || true
+  python3 -X importtime -c "import mesh_llm.serve, mesh_llm.engines.mlx" 2> "$OUT/importtime.txt" || true
+  sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -8
+  python3 -c "import cProfile, pstats, sys; sys.modules['torch'] = None; cProfile.run('import mlx_lm.utils', '/tmp/imp.prof'); pstats.Stats('/tmp/imp.prof').sort_stats('tottime').print_stats(25)" \
+    2>&1 | tee "$OUT/import-profile.txt" | grep -A30 "ncalls" | head -32 || true
+  ;;
+startup-both)  # after the concurrency runs: `mesh-llm serve` started afresh (benchmarks/startup.py),
+  # the MLX engine and then the llama engine (CUDA) on the same 0.5B weights, and llama-server's start
+  mlx_env
+  m=$models/qwen2.5-0.5b-mlx
+  for mb in 32 8; do
+    timeout 150 python3 benchmarks/startup.py --runs 3 --label "mlx, max-batch $mb" -- \
+      --engine mlx --model "$m" --ctx-size 2048 --max-batch "$mb" 2>&1 | tail -n +2 || true
+  done
+  llama_env
+  for mb in 32 8; do
+    timeout 100 python3 benchmarks/startup.py --runs 3 --label "llama, max-batch $mb" -- \
+      --engine llama --model "$models/qwen2.5-0.5b.gguf" --ctx-size 2048 --max-batch "$mb" 2>&1 | tail -n +2 || true
+  done
+  for _ in 1 2 3; do
+    port=$((20000 + RANDOM % 20000)); t0=$(date +%s.%N)
+    /tmp/llama-cuda/bin/llama-server -m "$models/qwen2.5-0.5b.gguf" -ngl 99 -c 2048 -np 8 --port $port > /tmp/ls.log 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.02; done
+    echo "llama-server /health ok after $(echo "$(date +%s.%N) - $t0" | bc) s"
+    kill $pid; wait $pid 2>/dev/null || true
+  done
   ;;
 conc-mlx)
   mlx_env

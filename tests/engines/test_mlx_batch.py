@@ -469,17 +469,20 @@ def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
 
 def test_the_fused_decode_attention_takes_only_one_query_over_a_batch_cache():
     """Where engines/mlx_attention.py stands in for mlx-lm's attention (run on the GPU machine by
-    test_mlx_gpu.py): one query per row over a BatchKVCache, a head size it was built for, no sinks,
-    matching dtypes; and it is installed only on CUDA (here, a CPU, mlx-lm's attention is untouched)."""
+    test_mlx_gpu.py): one query per row over a BatchKVCache's own buffers, a head size it was built
+    for, no sinks, matching dtypes; and it is installed only on CUDA (here, a CPU, mlx-lm's attention is untouched)."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
     from mesh_llm.engines.mlx_attention import applies, install
 
-    q, k = mx.zeros((2, 14, 1, 64), dtype=mx.float16), mx.zeros((2, 2, 9, 64), dtype=mx.float16)
+    q = mx.zeros((2, 14, 1, 64), dtype=mx.float16)
     batch = BatchKVCache([0, 3])
+    k, _ = batch.update_and_fetch(*(mx.zeros((2, 2, 9, 64), dtype=mx.float16),) * 2)
     assert applies(q, k, k, batch, None)
+    assert not applies(q, k, k, BatchKVCache([0, 3]), None)  # the kernel reads the cache's own buffers
+    assert not applies(q, mx.zeros((2, 2, 300, 64), dtype=mx.float16), k, batch, None)  # not that buffer's
     assert not applies(q, k, k, KVCache(), None)  # one row: MLX's own fused kernel, unmasked
     assert not applies(mx.zeros((2, 14, 5, 64), dtype=mx.float16), k, k, batch, None)  # a prompt chunk
     assert not applies(q, k, k, batch, mx.zeros((14,)))  # attention sinks

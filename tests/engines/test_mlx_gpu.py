@@ -161,9 +161,9 @@ def test_eight_batched_sequences_match_their_solo_runs_on_the_gpu(checkpoints):
 def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_heads, size, keys, dtype, rows,
                                                                    bounded):
     """engines/mlx_attention.py against mx.fast.scaled_dot_product_attention with the left-padding
-    mask: every row from its own start, keys read as a view of a larger buffer (as a cache holds
-    them), grouped heads; one row (32 warps a block) and six; ``bounded``: the whole buffer given
-    and the last position to read as an array (a traced step, engines/mlx_compiled.py)."""
+    mask: every row from its own start, the first ``keys`` positions of a larger buffer read (as a
+    cache holds them), grouped heads; one row (32 warps a block) and six; ``bounded``: the last
+    position to read given as an array (a traced step, engines/mlx_compiled.py)."""
     import mlx.core as mx
 
     from mesh_llm.engines.mlx_attention import decode_attention
@@ -179,9 +179,41 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
     mask = mx.arange(keys)[None, None, None, :] >= starts[:, None, None, None]
     if bounded:
         write = mx.array([keys - 1], dtype=mx.int32)
-        fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, write).astype(mx.float32)
+        fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, write=write).astype(mx.float32)
     else:
-        fused = decode_attention(q, k, v, size ** -0.5, starts).astype(mx.float32)
+        fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, length=keys).astype(mx.float32)
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=size ** -0.5, mask=mask).astype(mx.float32)
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
     assert mx.max(mx.abs(fused - reference)).item() <= tolerance
+
+
+def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compiler(tmp_path, monkeypatch):
+    """engines/nvrtc.py: the first call compiles with NVRTC and stores the cubin in MLX's kernel
+    folder; a later process (here: the in-memory copies forgotten) loads it with no compile at all,
+    and a changed source is compiled afresh, never served a stale binary."""
+    import mlx.core as mx
+
+    from mesh_llm.engines import nvrtc
+    from mesh_llm.engines.mlx_attention import decode_attention, kernel_source
+
+    if not mx.cuda.is_available():
+        pytest.skip("NVRTC is CUDA's")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nvrtc, "_binaries", {})
+    q = mx.random.normal((3, 14, 1, 64), key=mx.random.key(1)).astype(mx.float16)
+    k = mx.random.normal((3, 2, 512, 64), key=mx.random.key(2)).astype(mx.float16)
+    starts = mx.array([0, 5, 300], dtype=mx.int32)
+    first = decode_attention(q, k, k, 0.125, starts, length=400)
+    mx.eval(first)
+    stored = sorted(p.name for p in tmp_path.glob("*.cubin"))
+    assert stored and all(name.startswith("mesh_llm_decode_attention_float16_14_2_64") for name in stored)
+
+    def no_compiler(*args):
+        raise AssertionError("compiled again although the binary is on disk")
+
+    monkeypatch.setattr(nvrtc, "_binaries", {})
+    monkeypatch.setattr(nvrtc, "_compile", no_compiler)
+    again = decode_attention(q, k, k, 0.125, starts, length=400)
+    assert mx.array_equal(first, again).item()
+    with pytest.raises(AssertionError, match="compiled again"):
+        nvrtc.cubin("changed", kernel_source("changed", mx.float16, 14, 2, 64, False) + "// changed\n")

@@ -7,7 +7,8 @@ array, so a masked step falls back to separate kernels per layer (scores, mask, 
 a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H200,
 ``benchmarks/gpu_mlx_step.py``). :func:`decode_attention` is that fused kernel with each row's start
 as an input: one thread block per (row, query head), 8 or 32 warps walking the row's keys with an
-online softmax, merged at the end. :func:`install` routes mlx-lm's attention to it for exactly that
+online softmax, merged at the end; compiled once per shape and GPU architecture and kept on disk
+(:mod:`mesh_llm.engines.nvrtc`). :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
 on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a traced
 decode step's (:class:`StepKV`, ``mlx_compiled``, any device) to :func:`attend`, and a prompt chunk
@@ -25,13 +26,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mesh_llm.engines import nvrtc
+
 # Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
 # multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
 # layer against 20 and 22 for MLX's own one-row kernel: benchmarks/results/h200-host-20261203/), else 8.
-# The count is the launch's, not a template argument: MLX 0.32 compiles each template instance of a
-# custom kernel afresh in every process (2.2-2.4 s with NVRTC; it keeps only its own kernels on disk),
-# and a second instance cost a server one more such pause the first time its batch passed 9 rows
-# (0.5B) or 4 (7B): benchmarks/results/h200-20261204c/.
+# The count is the launch's, not the code's: one binary serves every batch size.
 _WARPS_FEW, _WARPS_MANY, _FEW_BLOCKS = 32, 8, 128
 _HEAD_SIZES = (64, 96, 128, 256)
 # mlx-lm architectures read: each layer holding a plain KV cache masks only its rows' left padding in
@@ -40,7 +40,29 @@ _HEAD_SIZES = (64, 96, 128, 256)
 _VETTED = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma", "granite",
                      "olmo2", "smollm3"})
 
+# Written against no header (16-bit floats converted by hand) so that NVRTC compiles it in a moment,
+# once per architecture, and the binary is kept on disk (engines/nvrtc.py). Rows are contiguous
+# (B, heads, capacity, D) buffers; row b reads positions starts[b] .. LENGTH - 1.
+_TYPES = {
+    "float32": "typedef float T;\n"
+               "__device__ __forceinline__ float load(T x) { return x; }\n"
+               "__device__ __forceinline__ T store(float x) { return x; }\n",
+    "float16": "typedef unsigned short T;\n"
+               "__device__ __forceinline__ float load(T x) {\n"
+               "    float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(x)); return f; }\n"
+               "__device__ __forceinline__ T store(float x) {\n"
+               "    T h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(x)); return h; }\n",
+    "bfloat16": "typedef unsigned short T;\n"
+                "__device__ __forceinline__ float load(T x) { return __uint_as_float(((unsigned int)x) << 16); }\n"
+                "__device__ __forceinline__ T store(float x) {  // round to nearest even, as MLX does\n"
+                "    unsigned int u = __float_as_uint(x);\n"
+                "    if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40u);\n"
+                "    return (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }\n",
+}
+
 _SOURCE = """
+extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts, ENDS T* out,
+                                int capacity, float scale LENGTH_ARG) {
     const int row_head = blockIdx.x;
     const int b = row_head / HQ;
     const int h = row_head % HQ;
@@ -48,31 +70,29 @@ _SOURCE = """
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    constexpr int PER_LANE = D / 32;
+    const int PER_LANE = D / 32;
     const int length = LENGTH;
     const int first = starts[b];
-    const float scale = scales[0];
     const float inf = __int_as_float(0x7f800000);
 
-    const T* qp = q + b * q_strides[0] + h * q_strides[1] + lane * PER_LANE;
-    float qv[PER_LANE];
-    for (int i = 0; i < PER_LANE; ++i) qv[i] = static_cast<float>(qp[i]) * scale;
+    const T* qp = q + (long long)(b * HQ + h) * D + lane * PER_LANE;
+    float qv[D / 32];
+    for (int i = 0; i < PER_LANE; ++i) qv[i] = load(qp[i]) * scale;
 
-    const T* kb = k + b * k_strides[0] + kv_head * k_strides[1] + lane * PER_LANE;
-    const T* vb = v + b * v_strides[0] + kv_head * v_strides[1] + lane * PER_LANE;
-    float m = -inf, l = 0.0f, acc[PER_LANE];
+    const long long row = (long long)(b * HKV + kv_head) * capacity * D + lane * PER_LANE;
+    float m = -inf, l = 0.0f, acc[D / 32];
     for (int i = 0; i < PER_LANE; ++i) acc[i] = 0.0f;
     for (int j = first + warp; j < length; j += warps) {
-        const T* kj = kb + j * k_strides[2];
+        const T* kj = k + row + (long long)j * D;
         float s = 0.0f;
-        for (int i = 0; i < PER_LANE; ++i) s += qv[i] * static_cast<float>(kj[i]);
+        for (int i = 0; i < PER_LANE; ++i) s += qv[i] * load(kj[i]);
         for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
         const float m_new = fmaxf(m, s);
         const float correction = expf(m - m_new);
         const float p = expf(s - m_new);
         l = l * correction + p;
-        const T* vj = vb + j * v_strides[2];
-        for (int i = 0; i < PER_LANE; ++i) acc[i] = acc[i] * correction + p * static_cast<float>(vj[i]);
+        const T* vj = v + row + (long long)j * D;
+        for (int i = 0; i < PER_LANE; ++i) acc[i] = acc[i] * correction + p * load(vj[i]);
         m = m_new;
     }
 
@@ -94,11 +114,11 @@ _SOURCE = """
             total += warp_sum[w] * c;
             value += warp_out[w][d] * c;
         }
-        out[(b * HQ + h) * D + d] = static_cast<T>(value / total);
+        out[(long long)(b * HQ + h) * D + d] = store(value / total);
     }
+}
 """
 
-_kernels: dict[bool, object] = {}
 KEY_STEP = 256  # positions a prompt chunk's keys are read in (mlx-lm's KVCache grows by as many)
 _in_steps = contextvars.ContextVar("mesh_llm_keys_in_steps", default=False)
 
@@ -122,30 +142,37 @@ class StepKV:
         return None  # attention masks by starts and write
 
 
+def kernel_source(name: str, dtype: mx.Dtype, heads: int, kv_heads: int, size: int, bounded: bool) -> str:
+    """The decode attention's CUDA source for one shape: ``bounded`` reads to ``ends[0]`` (an array,
+    a traced step's), else to the ``length`` given at launch."""
+    return (f"#define HQ {heads}\n#define HKV {kv_heads}\n#define D {size}\n"
+            + _TYPES[str(dtype).rsplit(".", 1)[-1]]
+            + _SOURCE.replace("NAME", name)
+            .replace("ENDS", "const int* ends," if bounded else "")
+            .replace("LENGTH_ARG", "" if bounded else ", int length_given")
+            .replace("LENGTH", "ends[0] + 1" if bounded else "length_given"))
+
+
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                     starts: mx.array, write: mx.array | None = None) -> mx.array:
-    """Attention of one query per row, (B, Hq, 1, D), over keys and values (B, Hkv, L, D), row ``b``
-    reading positions ``starts[b]`` to ``L - 1``, or to ``write[0]`` where given (a traced step's
-    whole buffer, ``mlx_compiled``). Returns (B, Hq, 1, D) in the queries' dtype."""
-    dynamic = write is not None
-    if dynamic not in _kernels:
-        _kernels[dynamic] = mx.fast.cuda_kernel(
-            name="mesh_llm_decode_attention" + ("_to" if dynamic else ""),
-            input_names=["q", "k", "v", "starts", "scales"] + (["ends"] if dynamic else []),
-            output_names=["out"],
-            source=_SOURCE.replace("LENGTH", "ends[0] + 1" if dynamic else "k_shape[2]"),
-            ensure_row_contiguous=False,  # a cache's keys are a view of its buffer: read in place
-        )
+                     starts: mx.array, length: int | None = None, write: mx.array | None = None) -> mx.array:
+    """Attention of one query per row, (B, Hq, 1, D), over the whole key and value buffers
+    (B, Hkv, capacity, D): row ``b`` reads positions ``starts[b]`` to ``length - 1`` (default: the
+    capacity), or to ``write[0]`` where given (a traced step's buffer, ``mlx_compiled``). Returns
+    (B, Hq, 1, D) in the queries' dtype."""
     batch, heads, _, size = queries.shape
+    kv_heads, capacity = keys.shape[1], keys.shape[2]
+    bounded = write is not None
+    name = (f"mesh_llm_decode_attention_{str(queries.dtype).rsplit('.', 1)[-1]}_{heads}_{kv_heads}_{size}"
+            + ("_bounded" if bounded else ""))
+    binary = nvrtc.cubin(name, kernel_source(name, queries.dtype, heads, kv_heads, size, bounded))
     warps = _WARPS_FEW if batch * heads <= _FEW_BLOCKS else _WARPS_MANY
-    inputs = [queries, keys, values, starts.astype(mx.int32), mx.array([scale], dtype=mx.float32)]
-    (out,) = _kernels[dynamic](
-        inputs=inputs + ([write] if dynamic else []),
-        template=[("T", queries.dtype), ("HQ", heads), ("HKV", keys.shape[1]), ("D", size)],
-        grid=(batch * heads * 32 * warps, 1, 1),
-        threadgroup=(32 * warps, 1, 1),
-        output_shapes=[queries.shape],
-        output_dtypes=[queries.dtype],
+    inputs = [queries, keys, values, starts.astype(mx.int32)] + ([write.astype(mx.int32)] if bounded else [])
+    scalars = [capacity, float(scale)] + ([] if bounded else [capacity if length is None else int(length)])
+    (out,) = mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=binary, inputs=inputs, scalars=scalars,
+        grid=(batch * heads * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype],
+        ensure_row_contiguous=True,  # the kernel reads rows as contiguous; a cache's buffer is already
     )
     return out
 
@@ -154,7 +181,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: StepKV, s
            sinks: mx.array | None = None) -> mx.array:
     """A traced decode step's attention: each row over its own positions of the whole buffer."""
     if sinks is None and on_cuda() and _fits(queries, keys, values):
-        return decode_attention(queries, keys, values, scale, cache.starts, cache.write)
+        return decode_attention(queries, keys, values, scale, cache.starts, write=cache.write)
     positions = mx.arange(keys.shape[2])
     mask = (positions[None] >= cache.starts[:, None]) & (positions[None] <= cache.write)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
@@ -203,8 +230,13 @@ def _fits(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
 
 
 def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -> bool:
-    """Whether :func:`decode_attention` stands in for mlx-lm's attention on this call."""
-    return type(cache) is BatchKVCache and sinks is None and _fits(queries, keys, values)
+    """Whether :func:`decode_attention` stands in for mlx-lm's attention on this call: keys and values
+    must be the first positions of the batch cache's buffers, which the kernel reads."""
+    if type(cache) is not BatchKVCache or sinks is not None or not _fits(queries, keys, values):
+        return False
+    buffers = cache.keys, cache.values
+    return all(b is not None and b.dtype == a.dtype and b.ndim == 4 and b.shape[:2] == a.shape[:2]
+               and b.shape[3] == a.shape[3] and b.shape[2] >= a.shape[2] for a, b in zip((keys, values), buffers))
 
 
 def install(model, traced: bool = False, in_steps: bool = False) -> bool:
@@ -231,7 +263,9 @@ def install(model, traced: bool = False, in_steps: bool = False) -> bool:
                 and sinks is None and queries.shape[2] > 1):
             return prefill_in_steps(queries, cache, scale)
         if fused and applies(queries, keys, values, cache, sinks):
-            return decode_attention(queries, keys, values, scale, cache.left_padding)
+            # the cache's whole buffers, of which keys and values are the first positions
+            return decode_attention(queries, cache.keys, cache.values, scale, cache.left_padding,
+                                    length=keys.shape[2])
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.mesh_llm_original = original
