@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import struct
 import sys
 from contextlib import contextmanager
 from typing import Any
@@ -167,7 +168,9 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     binary = nvrtc.cubin(name, kernel_source(name, queries.dtype, heads, kv_heads, size, bounded))
     warps = _WARPS_FEW if batch * heads <= _FEW_BLOCKS else _WARPS_MANY
     inputs = [queries, keys, values, starts.astype(mx.int32)] + ([write.astype(mx.int32)] if bounded else [])
-    scalars = [capacity, float(scale)] + ([] if bounded else [capacity if length is None else int(length)])
+    # MLX takes a float scalar only when float32 holds it exactly
+    scale = struct.unpack("f", struct.pack("f", scale))[0]
+    scalars = [capacity, scale] + ([] if bounded else [capacity if length is None else int(length)])
     (out,) = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=binary, inputs=inputs, scalars=scalars,
         grid=(batch * heads * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
