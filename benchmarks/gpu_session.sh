@@ -487,6 +487,15 @@ kernels)  # carry [".device/b"], after build and stage: the decode attention bui
   python3 -c "import cProfile, pstats, sys; sys.modules['torch'] = None; cProfile.run('import mlx_lm.utils', '/tmp/imp.prof'); pstats.Stats('/tmp/imp.prof').sort_stats('tottime').print_stats(25)" \
     2>&1 | tee "$OUT/import-profile.txt" | grep -A30 "ncalls" | head -32 || true
   ;;
+newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams, where eight prompts
+  # arrive at once: rounds of 1 and 8 through the scheduler, then the slowest steps of 8 under cProfile
+  mlx_env
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 1,8 --rounds 3 2>&1 | grep "^|" || true
+  timeout 120 python3 benchmarks/scheduler_rounds.py "$m" --streams 8 --rounds 3 --profile 2>&1 \
+    | tee "$OUT/newcomers-profile.txt" | grep -v "^$" | cut -c1-160 | tail -75 || true
+  ;;
 startup-both)  # after the concurrency runs: `mesh-llm serve` started afresh (benchmarks/startup.py),
   # the MLX engine and then the llama engine (CUDA) on the same 0.5B weights, and llama-server's start
   mlx_env

@@ -345,6 +345,27 @@ def test_sequences_resume_from_stored_and_live_states(smollm, together):
     assert stats["hits"] >= 4 and stats["entries"] >= 1
 
 
+def test_newcomers_sharing_only_a_short_prefix_start_together_from_position_0(smollm):
+    """Reading together (the GPU default), prompts that share fewer than TOGETHER_MIN_REUSE tokens
+    with a stored state (here the chat template's opening and a first word, a different count for
+    each) reuse nothing: all start at position 0 and their first chunks are read in one pass, where
+    reusing would have given them different start positions and a pass each. Each answers as alone."""
+    from mesh_llm.engines.mlx import TOGETHER_MIN_REUSE
+
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, together=True, model=model, cache_bytes=1 << 30)
+    first = Case(chat(engine, QUESTIONS[0]), greedy(), 4)
+    run_batched(engine, [first], budget=4096)  # its state is stored in the prompt cache
+    cases = [Case(chat(engine, q), greedy(logprobs=None), 6) for q in QUESTIONS[1:5]]
+    shared = {common(first.prompt, c.prompt) for c in cases}
+    assert len(shared) > 1 and 0 < min(shared) and max(shared) < TOGETHER_MIN_REUSE
+    model.chunk_rows.clear()
+    batched = run_batched(engine, cases, budget=4096)
+    assert all(s.cached_tokens == 0 for i in range(len(cases)) for s in batched[i])
+    assert model.chunk_rows[0] == len(cases), model.chunk_rows
+    same_as_alone(cases, [run_alone(smollm, c) for c in cases], batched)
+
+
 def common(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

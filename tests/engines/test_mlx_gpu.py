@@ -193,13 +193,14 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     and a changed source is compiled afresh, never served a stale binary."""
     import mlx.core as mx
 
-    from mesh_llm.engines import nvrtc
+    from mesh_llm.engines import mlx_attention, nvrtc
     from mesh_llm.engines.mlx_attention import decode_attention, kernel_source
 
     if not mx.cuda.is_available():
         pytest.skip("NVRTC is CUDA's")
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(nvrtc, "_binaries", {})
+    monkeypatch.setattr(mlx_attention, "_binaries", {})
     q = mx.random.normal((3, 14, 1, 64), key=mx.random.key(1)).astype(mx.float16)
     k = mx.random.normal((3, 2, 512, 64), key=mx.random.key(2)).astype(mx.float16)
     starts = mx.array([0, 5, 300], dtype=mx.int32)
@@ -212,6 +213,7 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
         raise AssertionError("compiled again although the binary is on disk")
 
     monkeypatch.setattr(nvrtc, "_binaries", {})
+    monkeypatch.setattr(mlx_attention, "_binaries", {})
     monkeypatch.setattr(nvrtc, "_compile", no_compiler)
     again = decode_attention(q, k, k, 0.125, starts, length=400)
     assert mx.array_equal(first, again).item()

@@ -73,6 +73,13 @@ _CLEAR_EVERY = 256  # steps between returns of the allocator's cached buffers
 # after it in 23.6-39.2 against 42.8-65.3 (benchmarks/results/h200-20261204c/prefill-steps/).
 # Elsewhere padding only adds arithmetic.
 CUDA_PREFILL_BUCKET = 64
+# Reading prompts together, a newcomer starts from a stored or running prefix only if it holds at
+# least this many tokens. Behind the server, chat prompts share a few template tokens ("<|im_start|>
+# system\nSession ..."): reusing 3-7 of them gave eight newcomers 3-7 different start positions, so
+# their chunks were read in up to four passes, each newcomer's prefix copied out first (the H200, 8
+# streams: first tokens 250-500 ms after the requests, against 87-125 ms when all start together:
+# benchmarks/results/h200-20261204d/). Recomputing fewer tokens than this costs a GPU nothing.
+TOGETHER_MIN_REUSE = 64
 
 
 class _Sequence(Row):
@@ -473,7 +480,7 @@ class MLXEngine(Engine):
         """Give ``s`` its caches: the longest stored prefix of its prompt, or a copy of a live
         sequence's state when that shares more (plain KV models only), else fresh ones."""
         cache, reused = None, 0
-        if self._caching:
+        if self._caching and not self._too_little_to_reuse(s):
             source, live = self._best_live(s)
             cache, reused = self._prompts.lookup(s.prompt, live)
             if cache is None and reused:
@@ -483,6 +490,13 @@ class MLXEngine(Engine):
                 log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(s.prompt))
         s.cache = cache if cache is not None else make_prompt_cache(self._model)
         s.read = s.reused = reused
+
+    def _too_little_to_reuse(self, s: _Sequence) -> bool:
+        """Reading together, whether the most ``s`` could reuse is under :data:`TOGETHER_MIN_REUSE`
+        tokens (then it starts at position 0 with the other newcomers)."""
+        if not self._together:
+            return False
+        return max(self._best_live(s)[1], self._prompts.peek(s.prompt)) < TOGETHER_MIN_REUSE
 
     def _best_live(self, s: _Sequence) -> tuple[_Sequence | None, int]:
         if self._checkpoints:  # recurrent or sliding state cannot be cut back to a shared prefix

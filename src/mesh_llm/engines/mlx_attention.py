@@ -120,6 +120,7 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
 }
 """
 
+_binaries: dict[tuple, tuple[str, bytes]] = {}  # per shape: the kernel's name and cubin
 KEY_STEP = 256  # positions a prompt chunk's keys are read in (mlx-lm's KVCache grows by as many)
 _in_steps = contextvars.ContextVar("mesh_llm_keys_in_steps", default=False)
 
@@ -163,9 +164,12 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     batch, heads, _, size = queries.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     bounded = write is not None
-    name = (f"mesh_llm_decode_attention_{str(queries.dtype).rsplit('.', 1)[-1]}_{heads}_{kv_heads}_{size}"
-            + ("_bounded" if bounded else ""))
-    binary = nvrtc.cubin(name, kernel_source(name, queries.dtype, heads, kv_heads, size, bounded))
+    shape = (queries.dtype, heads, kv_heads, size, bounded)
+    if shape not in _binaries:  # a dictionary look-up a call: this runs for every layer of every step
+        name = (f"mesh_llm_decode_attention_{str(queries.dtype).rsplit('.', 1)[-1]}_{heads}_{kv_heads}_{size}"
+                + ("_bounded" if bounded else ""))
+        _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, *shape))
+    name, binary = _binaries[shape]
     warps = _WARPS_FEW if batch * heads <= _FEW_BLOCKS else _WARPS_MANY
     inputs = [queries, keys, values, starts.astype(mx.int32)] + ([write.astype(mx.int32)] if bounded else [])
     # MLX takes a float scalar only when float32 holds it exactly
