@@ -82,6 +82,8 @@ def test_bad_request(server, name, method, path, body, status, etype, param):
     assert error["type"] == etype and error["message"]
     if param is not None:
         assert error["param"] == param
+    if name in ("malformed json", "body is not utf-8"):
+        assert error["code"] == "invalid_json", error
     assert "Traceback" not in response.text
 
 

@@ -358,7 +358,7 @@ def test_newcomers_sharing_only_a_short_prefix_start_together_from_position_0(sm
     run_batched(engine, [first], budget=4096)  # its state is stored in the prompt cache
     cases = [Case(chat(engine, q), greedy(logprobs=None), 6) for q in QUESTIONS[1:5]]
     shared = {common(first.prompt, c.prompt) for c in cases}
-    assert len(shared) > 1 and 0 < min(shared) and max(shared) < TOGETHER_MIN_REUSE
+    assert len(shared) > 1 and 0 < min(shared) and max(shared) < min(TOGETHER_MIN_REUSE, 32)  # 32: its chunk
     model.chunk_rows.clear()
     batched = run_batched(engine, cases, budget=4096)
     assert all(s.cached_tokens == 0 for i in range(len(cases)) for s in batched[i])

@@ -184,8 +184,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 400:  # FastAPI could not decode the body (bytes that are not UTF-8)
+            return error_response(400, "the request body is not valid JSON (UTF-8)", code="invalid_json",
+                                  headers=headers)
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, headers=headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _not_unicode(_: Request, exc: UnicodeEncodeError):

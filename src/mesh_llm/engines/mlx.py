@@ -493,10 +493,12 @@ class MLXEngine(Engine):
 
     def _too_little_to_reuse(self, s: _Sequence) -> bool:
         """Reading together, whether the most ``s`` could reuse is under :data:`TOGETHER_MIN_REUSE`
-        tokens (then it starts at position 0 with the other newcomers)."""
+        tokens (then it starts at position 0 with the other newcomers), or under a chunk where chunks
+        are shorter (a sequence that waited for a shared chunk, ``_waits``, reuses it)."""
         if not self._together:
             return False
-        return max(self._best_live(s)[1], self._prompts.peek(s.prompt)) < TOGETHER_MIN_REUSE
+        least = min(TOGETHER_MIN_REUSE, max(1, self._options.prefill_step))
+        return max(self._best_live(s)[1], self._prompts.peek(s.prompt)) < least
 
     def _best_live(self, s: _Sequence) -> tuple[_Sequence | None, int]:
         if self._checkpoints:  # recurrent or sliding state cannot be cut back to a shared prefix
