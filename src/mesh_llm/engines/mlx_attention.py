@@ -187,7 +187,7 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
 def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: StepKV, scale: float,
            sinks: mx.array | None = None) -> mx.array:
     """A traced decode step's attention: each row over its own positions of the whole buffer."""
-    if sinks is None and on_cuda() and _fits(queries, keys, values):
+    if sinks is None and on_cuda() and _fits(queries, keys, values) and nvrtc.available():
         return decode_attention(queries, keys, values, scale, cache.starts, write=cache.write)
     positions = mx.arange(keys.shape[2])
     mask = (positions[None] >= cache.starts[:, None]) & (positions[None] <= cache.write)
@@ -220,9 +220,9 @@ def prefill_in_steps(queries: mx.array, cache: KVCache, scale: float) -> mx.arra
 
 
 def fused_here() -> bool:
-    """Whether a batched decode step's attention is :func:`decode_attention` here: on CUDA, unless
-    ``MESH_LLM_FUSED_DECODE=0``."""
-    return on_cuda() and os.environ.get("MESH_LLM_FUSED_DECODE", "1") != "0"
+    """Whether a batched decode step's attention is :func:`decode_attention` here: on CUDA with an
+    NVRTC to build it, unless ``MESH_LLM_FUSED_DECODE=0``."""
+    return on_cuda() and os.environ.get("MESH_LLM_FUSED_DECODE", "1") != "0" and nvrtc.available()
 
 
 def on_cuda() -> bool:

@@ -54,6 +54,15 @@ def cubin(name: str, source: str) -> bytes:
         return data
 
 
+def available() -> bool:
+    """Whether an NVRTC library can be loaded here (MLX's CUDA build loads one itself)."""
+    try:
+        _nvrtc()
+    except CompileError:
+        return False
+    return True
+
+
 def kernel_folder() -> Path:
     """Where MLX keeps its compiled kernels in this process: ``MLX_PTX_CACHE_DIR`` (the engine sets
     it to mesh-llm's cache), else MLX's own default under the temp folder."""
