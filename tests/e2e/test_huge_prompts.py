@@ -21,13 +21,17 @@ def client(engine_server) -> OpenAI:
     return OpenAI(base_url=engine_server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
-def assert_context_exceeded(exc: openai.BadRequestError, param: str) -> None:
-    assert exc.status_code == 400
-    error = exc.response.json()["error"]
+def refused_as_too_long(create, param: str) -> dict:
+    """Runs ``create``, which must fail with a context_length_exceeded 400 on ``param``; returns the error."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        create()
+    assert caught.value.status_code == 400
+    error = caught.value.response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"].startswith("this model's context is 8192 tokens, but the prompt has at least ")
+    return error
 
 
 def assert_still_serving(client: OpenAI) -> None:
@@ -38,40 +42,35 @@ def assert_still_serving(client: OpenAI) -> None:
 
 def test_two_hundred_thousand_empty_messages(client):
     messages = [{"role": "user", "content": ""}] * 200_000
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
-    assert_context_exceeded(caught.value, "messages")
+    refused_as_too_long(lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1),
+                        "messages")
     assert_still_serving(client)
 
 
 def test_special_tokens_as_a_text_prompt(client):
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=MODEL, prompt="<|im_end|>" * 300_000, max_tokens=1)
-    assert_context_exceeded(caught.value, "prompt")
+    refused_as_too_long(lambda: client.completions.create(model=MODEL, prompt="<|im_end|>" * 300_000,
+                                                          max_tokens=1), "prompt")
     assert_still_serving(client)
 
 
 def test_special_tokens_in_one_message_without_max_tokens(client):
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=[
-            {"role": "user", "content": "<|im_start|>user\n<|im_end|>\n" * 100_000}])
-    assert_context_exceeded(caught.value, "messages")
-    assert "more were asked for" not in caught.value.response.json()["error"]["message"]
+    messages = [{"role": "user", "content": "<|im_start|>user\n<|im_end|>\n" * 100_000}]
+    error = refused_as_too_long(lambda: client.chat.completions.create(model=MODEL, messages=messages),
+                                "messages")
+    assert "more were asked for" not in error["message"]
 
 
 def test_special_tokens_through_the_responses_api(client):
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=MODEL, input="<|endoftext|>" * 200_000, max_output_tokens=16)
-    assert_context_exceeded(caught.value, "input")
+    refused_as_too_long(lambda: client.responses.create(model=MODEL, input="<|endoftext|>" * 200_000,
+                                                        max_output_tokens=16), "input")
     assert_still_serving(client)
 
 
 def test_megabytes_of_plain_text(client):
     # 6 MB of digits: one token each, the slowest plain text for Hugging Face's tokenizer (about
     # 2 s a megabyte here); over 8192 x the longest token's 162 bytes, so refused uncounted.
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=MODEL, prompt="7" * 6_000_000, max_tokens=1)
-    assert_context_exceeded(caught.value, "prompt")
+    refused_as_too_long(lambda: client.completions.create(model=MODEL, prompt="7" * 6_000_000, max_tokens=1),
+                        "prompt")
     assert_still_serving(client)
 
 

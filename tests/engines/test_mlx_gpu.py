@@ -189,8 +189,8 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
 
 def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compiler(tmp_path, monkeypatch):
     """engines/nvrtc.py: the first call compiles with NVRTC and stores the cubin in MLX's kernel
-    folder; a later process (here: the in-memory copies forgotten) loads it with no compile at all,
-    and a changed source is compiled afresh, never served a stale binary."""
+    folder; a later process (here: the engine's in-memory copy forgotten) loads it with no compile
+    at all, and a changed source is compiled afresh, never served a stale binary."""
     import mlx.core as mx
 
     from mesh_llm.engines import mlx_attention, nvrtc
@@ -199,7 +199,6 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     if not mx.cuda.is_available():
         pytest.skip("NVRTC is CUDA's")
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(nvrtc, "_binaries", {})
     monkeypatch.setattr(mlx_attention, "_binaries", {})
     q = mx.random.normal((3, 14, 1, 64), key=mx.random.key(1)).astype(mx.float16)
     k = mx.random.normal((3, 2, 512, 64), key=mx.random.key(2)).astype(mx.float16)
@@ -212,7 +211,6 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     def no_compiler(*args):
         raise AssertionError("compiled again although the binary is on disk")
 
-    monkeypatch.setattr(nvrtc, "_binaries", {})
     monkeypatch.setattr(mlx_attention, "_binaries", {})
     monkeypatch.setattr(nvrtc, "_compile", no_compiler)
     again = decode_attention(q, k, k, 0.125, starts, length=400)

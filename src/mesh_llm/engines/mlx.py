@@ -296,8 +296,8 @@ class MLXEngine(Engine):
         matrix product and attention shape once per process, which made a first request 5-17x slower
         than later ones. With chunks padded to a bucket, each padded width at the start and after a
         whole chunk; a prompt of one and a half chunks; then decode steps of one row and of two, whose
-        first use compiles the batched decode attention (2.2-2.4 s on the H200, every process:
-        ``mlx_attention``). Larger batch sizes are left to serving: a size's first join and step cost
+        first use builds the batched decode attention (``mlx_attention``: compiled once per GPU and
+        kept on disk). Larger batch sizes are left to serving: a size's first join and step cost
         6-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
         sizes (benchmarks/results/h200-20261204c/). Nothing reaches the prompt cache. Returns seconds."""
         started, caching = time.perf_counter(), self._caching
@@ -480,8 +480,8 @@ class MLXEngine(Engine):
         """Give ``s`` its caches: the longest stored prefix of its prompt, or a copy of a live
         sequence's state when that shares more (plain KV models only), else fresh ones."""
         cache, reused = None, 0
-        if self._caching and not self._too_little_to_reuse(s):
-            source, live = self._best_live(s)
+        source, live = self._best_live(s) if self._caching else (None, 0)
+        if self._caching and not self._too_little_to_reuse(s, live):
             cache, reused = self._prompts.lookup(s.prompt, live)
             if cache is None and reused:
                 cache = (source.group.prefix(source, reused) if source.group is not None
@@ -491,14 +491,15 @@ class MLXEngine(Engine):
         s.cache = cache if cache is not None else make_prompt_cache(self._model)
         s.read = s.reused = reused
 
-    def _too_little_to_reuse(self, s: _Sequence) -> bool:
-        """Reading together, whether the most ``s`` could reuse is under :data:`TOGETHER_MIN_REUSE`
-        tokens (then it starts at position 0 with the other newcomers), or under a chunk where chunks
-        are shorter (a sequence that waited for a shared chunk, ``_waits``, reuses it)."""
+    def _too_little_to_reuse(self, s: _Sequence, live: int) -> bool:
+        """Reading together, whether the most ``s`` could reuse (``live`` tokens of a running
+        sequence, or a stored prefix) is under :data:`TOGETHER_MIN_REUSE` tokens (then it starts at
+        position 0 with the other newcomers), or under a chunk where chunks are shorter (a sequence
+        that waited for a shared chunk, ``_waits``, reuses it)."""
         if not self._together:
             return False
         least = min(TOGETHER_MIN_REUSE, max(1, self._options.prefill_step))
-        return max(self._best_live(s)[1], self._prompts.peek(s.prompt)) < least
+        return max(live, self._prompts.peek(s.prompt)) < least
 
     def _best_live(self, s: _Sequence) -> tuple[_Sequence | None, int]:
         if self._checkpoints:  # recurrent or sliding state cannot be cut back to a shared prefix

@@ -23,7 +23,6 @@ from pathlib import Path
 import mlx.core as mx
 
 _lock = threading.Lock()
-_binaries: dict[str, bytes] = {}
 _library: ctypes.CDLL | None = None
 
 
@@ -32,26 +31,23 @@ class CompileError(RuntimeError):
 
 
 def cubin(name: str, source: str) -> bytes:
-    """The device code of ``source`` for this process's GPU, from memory, from disk or compiled now.
-    ``name`` names the file (with a hash of the source, the architecture and NVRTC's version)."""
+    """The device code of ``source`` for this process's GPU, from disk or compiled now (callers keep
+    it per shape). ``name`` names the file, with a hash of the source, the architecture and NVRTC's
+    version."""
     info = mx.device_info()
     arch = f"sm_{info['compute_capability_major']}{info['compute_capability_minor']}"
     nvrtc = _nvrtc()
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(nvrtc, nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     digest = hashlib.sha256(f"{arch}\0{major.value}.{minor.value}\0{source}".encode()).hexdigest()[:16]
-    key = f"{name}-{arch}-{digest}"
-    with _lock:
-        if key in _binaries:
-            return _binaries[key]
-        path = kernel_folder() / f"{key}.cubin"
+    path = kernel_folder() / f"{name}-{arch}-{digest}.cubin"
+    with _lock:  # engines loading on two threads compile a shared kernel once
         try:
-            data = path.read_bytes()
+            return path.read_bytes()
         except OSError:
             data = _compile(nvrtc, name, source, arch)
             _store(path, data)
-        _binaries[key] = data
-        return data
+            return data
 
 
 def available() -> bool:
