@@ -423,23 +423,34 @@ def test_mlx_multiplies_with_openblas_on_linux_cpu(tmp_path):
     assert blas == "reference (slow)" and "imported before" in stderr
 
 
-TORCH_PROBE = """
+IMPORT_PROBE = """
 import sys
-if sys.argv[1] == "engine":
-    import mesh_llm.engines.mlx
-else:
+def seen():
+    print("torch" in sys.modules, "transformers" in sys.modules, end=" ")
+if sys.argv[1] == "mlx_lm":
     import mlx_lm.utils
-print("torch" in sys.modules)
+    seen()
+else:
+    from pathlib import Path
+    from mesh_llm.engines.base import EngineOptions
+    from mesh_llm.engines.mlx import MLXEngine
+    MLXEngine.load(Path(sys.argv[2]), EngineOptions()).close()
+    seen()
+    import mlx_lm
+    from mlx_lm import generate  # the package's own __init__ runs here, torch hidden
+    print(mlx_lm.load.__module__, callable(generate), end=" ")
+    seen()
 import torch
 print(torch.__version__)
 """
 
 
-def test_the_engine_imports_mlx_lm_without_torch(tmp_path):
-    """Where torch is installed, transformers imports it when mlx-lm imports transformers (12-17 s of
-    an MLX server's start on the H200 image). A stand-in torch, installed with its metadata as pip
-    would: plain mlx-lm imports it; the engine's import does not, and ``import torch`` still works
-    after it."""
+def test_a_float_folder_loads_without_transformers_or_torch(checkpoints, tmp_path):
+    """mlx-lm's package imports transformers, and transformers imports torch wherever it is
+    installed (3.6 s and 12-17 s of an MLX server's start on the H200 image), for code the engine does
+    not call. With a stand-in torch installed as pip would (plain mlx-lm imports it): loading a float
+    folder imports neither; ``mlx_lm``'s own names still work afterwards, importing transformers but
+    not torch; ``import torch`` still works after that."""
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("__version__ = '2.9.0'\n")
     (tmp_path / "torch-2.9.0.dist-info").mkdir()
@@ -447,13 +458,43 @@ def test_the_engine_imports_mlx_lm_without_torch(tmp_path):
         "Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
 
-    def probe(how):
-        out = subprocess.run([sys.executable, "-c", TORCH_PROBE, how], env=env, check=True,
+    def probe(*args):
+        out = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *args], env=env, check=True,
                              capture_output=True, text=True)
         return out.stdout.split()
 
-    assert probe("mlx_lm") == ["True", "2.9.0"]  # the stand-in is one transformers takes
-    assert probe("engine") == ["False", "2.9.0"]
+    assert probe("mlx_lm") == ["True", "True", "2.9.0"]  # the stand-in is one transformers takes
+    assert probe("engine", str(checkpoints["qwen3"].path)) == [
+        "False", "False", "mlx_lm.utils", "True", "False", "True", "2.9.0"]
+
+
+def test_a_float_folder_is_built_as_mlx_lm_load_model_builds_it(checkpoints):
+    """The engine's own folder loader against mlx-lm's: the same classes, the same weights, and the
+    same class for every model type mlx-lm remaps to another's module."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING, _get_classes, load_model
+
+    from mesh_llm.engines.mlx_load import load_folder, model_classes
+
+    for checkpoint in checkpoints.values():
+        ours, _, _, _ = load_folder(checkpoint.path)
+        theirs, _ = load_model(checkpoint.path, lazy=True)
+        assert type(ours) is type(theirs)
+        mine, upstream = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
+        assert mine.keys() == upstream.keys()
+        assert all(mine[k].dtype == upstream[k].dtype and bool((mine[k] == upstream[k]).all())
+                   for k in mine)
+    configs = [{"model_type": t} for t in (*MODEL_REMAPPING, "qwen2", "llama")] + [
+        {"model_type": t, "architectures": [a]} for t, a in MODEL_ARCHITECTURE_REMAPPING]
+    assert len(configs) > 10
+    for config in configs:
+        try:
+            expected = _get_classes(config)
+        except ValueError:  # a remapped module whose own imports fail here
+            with pytest.raises(ValueError, match="not supported"):
+                model_classes(config)
+            continue
+        assert model_classes(config) == expected, config
 
 
 def test_tokenizer_adds_the_bos_its_config_asks_for(checkpoints, tokenizer_obj, tmp_path):

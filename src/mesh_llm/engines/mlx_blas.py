@@ -19,6 +19,7 @@ small multiply, and it is interposed only if ``cpu_cannot_run`` finds nothing ag
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.metadata
@@ -31,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from mesh_llm.machine import physical_cores
@@ -89,21 +91,62 @@ def ensure_fast_blas() -> str:
 
 
 def prepare_mlx() -> str:
-    """What an engine module runs before its first MLX import: :func:`ensure_fast_blas`, then mlx-lm
-    imported once with torch hidden. mlx-lm imports transformers for a tokenizer loader mesh-llm does
-    not use, and transformers imports torch wherever it is installed: most of a 12-17 s start of an
-    MLX server on the H200 image, for a library nothing here calls. ``sys.modules["torch"] = None``
-    makes ``importlib.util.find_spec`` report it absent during that import only; a later
-    ``import torch`` in the process works. Returns what :func:`ensure_fast_blas` returns."""
+    """What an engine module runs before its first MLX import: :func:`ensure_fast_blas`, then the
+    ``mlx_lm`` package made importable without running its ``__init__`` (:func:`_mlx_lm_models_only`).
+    Returns what :func:`ensure_fast_blas` returns."""
     blas = ensure_fast_blas()
-    if "mlx_lm.utils" not in sys.modules and "torch" not in sys.modules:
-        sys.modules["torch"] = None  # type: ignore[assignment]
-        try:
-            import mlx_lm.utils  # noqa: F401
-        finally:
-            if "torch" in sys.modules and sys.modules["torch"] is None:
-                del sys.modules["torch"]
+    _mlx_lm_models_only()
     return blas
+
+
+@contextlib.contextmanager
+def _torch_hidden():
+    """mlx-lm imports transformers for a tokenizer loader mesh-llm does not use, and transformers
+    imports torch wherever it is installed: most of a 12-17 s start of an MLX server on the H200
+    image, for a library nothing here calls. ``sys.modules["torch"] = None`` makes
+    ``importlib.util.find_spec`` report it absent during that import only; a later ``import torch`` in
+    the process works."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
+def _mlx_lm_models_only() -> None:
+    """Register the ``mlx_lm`` package without running its ``__init__``, which imports mlx-lm's
+    converter, generator and tokenizer loader and through them transformers: 3.6 s of a 7 s MLX start
+    on the H200 image (``benchmarks/results/h200-20261204d/imports``), where the engine needs only
+    ``mlx_lm.models``. The ``__init__`` runs, torch hidden, on the first use of a name it defines (a
+    module ``__getattr__``), so ``mlx_lm.load`` and ``from mlx_lm import generate`` still work
+    anywhere in the process."""
+    if "mlx_lm" in sys.modules or (spec := importlib.util.find_spec("mlx_lm")) is None:
+        return
+    package = importlib.util.module_from_spec(spec)
+    lock = threading.Lock()
+
+    def finish(name: str):
+        with lock:
+            if "__getattr__" in package.__dict__:
+                del package.__getattr__
+                with _torch_hidden():
+                    spec.loader.exec_module(package)
+        return getattr(package, name)
+
+    package.__getattr__ = finish
+    sys.modules["mlx_lm"] = package
+
+
+def mlx_lm_utils():
+    """``mlx_lm.utils`` (and transformers with it), imported with torch hidden: for the sources only
+    its loader reads (quantization configs, AWQ/GPTQ, custom model files)."""
+    with _torch_hidden():
+        import mlx_lm.utils
+    return mlx_lm.utils
 
 
 def set_blas_threads(threads: int | None = None) -> None:

@@ -1,27 +1,34 @@
 """Loading a model into MLX: a Hugging Face safetensors folder or a llama GGUF file, built by mlx-lm's own
-classes (``mlx_lm.utils.load_model`` for folders; its ``_get_classes`` + ``sanitize`` + ``load_weights``
-steps for GGUF weights), so every architecture mlx-lm supports loads, then set to the precision the
-device serves fastest: float32 with dequantized weights on CPU, the source dtype (or ``--quantize``)
-on a GPU.
+model classes (config → ``ModelArgs`` → ``Model``, ``sanitize``, ``load_weights``), so every
+architecture mlx-lm supports loads, then set to the precision the device serves fastest: float32 with
+dequantized weights on CPU, the source dtype (or ``--quantize``) on a GPU.
+
+A plain float folder is built here, as ``mlx_lm.utils.load_model`` builds one, without importing
+``mlx_lm.utils``: that module imports transformers (3.3 s of an MLX server's start on the H200 image).
+Folders whose weights need the rest of mlx-lm's loader (quantized, AWQ/GPTQ, a custom model file) go
+through ``load_model`` itself.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from mesh_llm.engines.mlx_blas import prepare_mlx
+from mesh_llm.engines.mlx_blas import mlx_lm_utils, prepare_mlx
 
 prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 
 import mlx.core as mx
-import mlx_lm
 from mlx import nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, dequantize_model, infer_quant_config, load_model
 
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
@@ -37,6 +44,9 @@ log = logging.getLogger(__name__)
 CPU_DTYPE = mx.float32
 QUANT_GROUP_SIZE = 64
 DEFAULT_CONTEXT = 4096  # for configs that state no max_position_embeddings
+# config.json keys (and files) only mlx-lm's load_model handles: quantized or packed weights, custom
+# architecture code, JSON-tagged non-finite floats
+_LOAD_MODEL_KEYS = ("quantization", "quantization_config", "model_file", "quantize_activations")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -48,22 +58,31 @@ def load_folder(path: Path):
     if not config_file.is_file():
         raise EngineError(f"{config_file}: missing (not a Hugging Face model folder)")
     try:
-        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+        raw = config_file.read_text(encoding="utf-8")
+        config = json.loads(raw)
+        model_type = config.get("model_type")
     except (OSError, ValueError, AttributeError) as e:
         raise EngineError(f"{config_file}: unreadable JSON ({first_line(e)})") from e
     if not model_type:
         raise EngineError(f"{config_file}: no model_type")
     tokenizer = HFTokenizer.from_folder(path)
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise EngineError(f"{path}: no model*.safetensors weight files")
+    plain = (not any(k in text_config(config) for k in _LOAD_MODEL_KEYS) and '"__float__"' not in raw
+             and not (path / "hf_quant_config.json").exists())
     try:
-        model, config = load_model(path, lazy=True)
-    except FileNotFoundError as e:
-        raise EngineError(f"{path}: no model*.safetensors weight files") from e
+        if plain:
+            weights = {}
+            for file in files:
+                weights.update(mx.load(str(file)))
+            model = build(config, weights)
+        else:
+            model, config = mlx_lm_utils().load_model(path, lazy=True)
     except ValueError as e:
         if "not supported" in str(e):
-            raise EngineError(
-                f"{config_file}: model_type {model_type!r} is not supported by mlx-lm "
-                f"{mlx_lm.__version__}"
-            ) from e
+            raise EngineError(f"{config_file}: model_type {model_type!r} is not supported by mlx-lm "
+                              f"{importlib.metadata.version('mlx-lm')}") from e
         raise EngineError(f"{path}: {first_line(e)}") from e
     except (RuntimeError, OSError, KeyError, TypeError) as e:
         raise EngineError(f"{_bad_weight_file(path) or path}: {first_line(e)}") from e
@@ -80,6 +99,65 @@ def _bad_weight_file(path: Path) -> Path | None:
     return None
 
 
+@functools.cache
+def _remappings() -> tuple[dict, dict]:
+    """mlx-lm's ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING`` (model types served by
+    another type's module), read from ``mlx_lm/utils.py``'s source: importing it imports
+    transformers. Empty where the source no longer has them as literals."""
+    spec = importlib.util.find_spec("mlx_lm.utils")
+    found: dict[str, Any] = {}
+    if spec and spec.origin:
+        for node in ast.parse(Path(spec.origin).read_text(encoding="utf-8")).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id in ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING")):
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+    return found.get("MODEL_REMAPPING", {}), found.get("MODEL_ARCHITECTURE_REMAPPING", {})
+
+
+def model_classes(config: dict[str, Any]):
+    """The ``Model`` and ``ModelArgs`` classes ``mlx_lm.utils._get_classes`` picks for a config."""
+    model_type = config["model_type"]
+    by_type, by_architecture = _remappings()
+    architectures = config.get("architectures") or ()
+    for architecture in (architectures,) if isinstance(architectures, str) else architectures:
+        if (model_type, architecture) in by_architecture:
+            model_type = by_architecture[(model_type, architecture)]
+            break
+    else:
+        model_type = by_type.get(model_type, model_type)
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError as e:
+        raise ValueError(f"Model type {model_type} not supported.") from e
+    return module.Model, module.ModelArgs
+
+
+def build(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
+    """A model of ``config``'s type holding ``weights`` (still lazy), as ``load_model`` builds it:
+    sanitized, quantized where ``config["quantization"]`` says (per layer, else inferred from the
+    packed shapes), strict about missing or extra weights."""
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if quant := config.get("quantization"):
+        infer = mlx_lm_utils().infer_quant_config
+
+        def predicate(p, m):
+            if p in quant:
+                return quant[p]
+            if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+                return False
+            return infer(p, m, weights)
+
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
+                    mode=quant.get("mode", "affine"), class_predicate=predicate)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    return model
+
+
 def load_gguf(path: Path):
     try:
         from mesh_llm.models.gguf_convert import read_gguf
@@ -92,22 +170,7 @@ def load_gguf(path: Path):
         raise EngineError(message if str(path) in message else f"{path}: {message}") from e
     config = dict(gguf.config)
     try:
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-        weights = model.sanitize(gguf.weights) if hasattr(model, "sanitize") else gguf.weights
-        if quant := config.get("quantization"):
-            # As load_model does: per-layer settings from the config, else inferred from shapes.
-            def predicate(p, m):
-                if p in quant:
-                    return quant[p]
-                if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
-                    return False
-                return infer_quant_config(p, m, weights)
-
-            nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
-                        mode=quant.get("mode", "affine"), class_predicate=predicate)
-        model.eval()
-        model.load_weights(list(weights.items()), strict=True)
+        model = build(config, gguf.weights)
     except (ValueError, KeyError, TypeError) as e:
         raise EngineError(f"{path}: cannot build the {config.get('model_type')} model "
                           f"({first_line(e)})") from e
@@ -160,7 +223,7 @@ def prepare(model: nn.Module, config: dict[str, Any], options: EngineOptions,
                         path, options.quantize)
         model.set_dtype(CPU_DTYPE)  # first, so that scales and biases dequantize in float32
         if quant:
-            dequantize_model(model)
+            mlx_lm_utils().dequantize_model(model)
         return {"dtype": "float32", "quantization": f"dequantized from {source}" if quant else "none",
                 "source_dtype": source}
     if options.quantize and quant:
