@@ -425,6 +425,20 @@ conc-ab)  # carry [".device/b"], or [".device/x"] on a machine where host ran: m
   for f in "$conc"/*-ab*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-ab-logs.tar.gz
   ;;
+code-ab)  # carry [".device/prev"] (a copy of src/ with one change, e.g. TOGETHER_MIN_REUSE = 0), after an
+  # MLX step installed MLX: mesh-mlx through HTTP with this tree's code and with that copy, in the
+  # order ORDER gives ("new prev new prev"); 0.5B at LEVELS_05 (1,8) streams
+  mlx_env
+  mkdir -p "$conc"
+  n=0
+  for t in ${ORDER:-new prev new prev}; do
+    n=$((n + 1)); echo "== $t ($n)"
+    code=$root/src; [ "$t" = prev ] && code=$root/.device/prev/src
+    PYTHONPATH=$code:/tmp/site TAG=-$t$n RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
+  done
+  for f in "$conc"/*-code-ab-*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
+  logs_to_out code-ab-logs.tar.gz
+  ;;
 fused-proj)  # carry [".device/b"], after stage-mlx: fused q/k/v and gate/up projections (the engine's
   # GPU default) against mlx-lm's separate ones, one stream, alternated (benchmarks/gpu_fused_proj.py)
   mlx_env
@@ -465,6 +479,20 @@ warm-sizes)  # carry [".device/b"], after stage-mlx: what a batch size the warm-
   for mb in 32 8; do
     timeout 120 python3 benchmarks/startup.py --runs 2 --label "max-batch $mb" -- \
       --engine mlx --model "$m" --ctx-size 2048 --max-batch "$mb" 2>&1 | tail -n +2 || true
+  done
+  ;;
+prefill)  # carry [".device/b"], after stage-mlx: where a prompt read's time goes against its compute
+  # floor, eight newcomers stepped through the engine, the warm-up run twice (benchmarks/gpu_prefill.py)
+  mlx_env
+  wait_model qwen2.5-0.5b
+  timeout 300 python3 benchmarks/gpu_prefill.py "$models/qwen2.5-0.5b-mlx" 2>&1 | grep -v Warning \
+    | tee "$OUT/prefill-0.5b.txt" | tail -20 || true
+  [ "${WARM:-1}" = 0 ] && exit 0
+  # then, kernels on disk: a first request of each length against a second, with and without warm-up
+  for w in --warm-up "" --warm-up ""; do
+    timeout 120 python3 benchmarks/gpu_mlx_warm.py "$models/qwen2.5-0.5b-mlx" $w --label "warm-up: ${w:-no}" \
+      2>&1 | tail -1 | python3 -c "import json, sys; d = json.loads(sys.stdin.read())
+print(d['label'], d.get('details', {}).get('warm_up'), [(r['prompt'], r['ttft_ms']) for r in d['requests']])" || true
   done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
@@ -510,11 +538,11 @@ startup-both)  # after the concurrency runs: `mesh-llm serve` started afresh (be
       --engine llama --model "$models/qwen2.5-0.5b.gguf" --ctx-size 2048 --max-batch "$mb" 2>&1 | tail -n +2 || true
   done
   for _ in 1 2 3; do
-    port=$((20000 + RANDOM % 20000)); t0=$(date +%s.%N)
+    port=$((20000 + RANDOM % 20000)); t0=$(date +%s%N)
     /tmp/llama-cuda/bin/llama-server -m "$models/qwen2.5-0.5b.gguf" -ngl 99 -c 2048 -np 8 --port $port > /tmp/ls.log 2>&1 &
     pid=$!
     until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.02; done
-    echo "llama-server /health ok after $(echo "$(date +%s.%N) - $t0" | bc) s"
+    echo "llama-server /health ok after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
     kill $pid; wait $pid 2>/dev/null || true
   done
   ;;
