@@ -524,29 +524,27 @@ newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams
   timeout 120 python3 benchmarks/scheduler_rounds.py "$m" --streams 8 --rounds 3 --profile 2>&1 \
     | tee "$OUT/newcomers-profile.txt" | grep -v "^$" | cut -c1-160 | tail -75 || true
   ;;
-warm-check)  # carry [".device/b"], after build and stage: first requests of each prompt length
-  # against second ones (benchmarks/gpu_mlx_warm.py), warmed up in full (the first start of these
-  # shapes), then as later starts are (the padded widths left out), then with no warm-up
+warm-check)  # carry [".device/b"], after stage or stage-mlx: first requests of each prompt length
+  # against second ones (benchmarks/gpu_mlx_warm.py) with the warm-up (the first run of a fresh machine
+  # compiles MLX's kernels) and, with WARM_ALSO="" , with none; then `mesh-llm serve` started afresh
+  # (benchmarks/startup.py, --max-batch 32), and a last first-request check
   mlx_env
   wait_model qwen2.5-0.5b
-  for w in --warm-up --warm-up ""; do
-    timeout 120 python3 benchmarks/gpu_mlx_warm.py "$models/qwen2.5-0.5b-mlx" $w --label "warm-up: ${w:-no}" \
+  m=$models/qwen2.5-0.5b-mlx
+  warm() {
+    timeout 120 python3 benchmarks/gpu_mlx_warm.py "$m" $1 --label "warm-up: ${1:-no}" \
       2>&1 | tail -1 | python3 -c "import json, sys; d = json.loads(sys.stdin.read())
 print(d['label'], d.get('details', {}).get('warm_up'), [(r['prompt'], r['ttft_ms']) for r in d['requests']])" || true
-  done
+  }
+  for w in --warm-up ${WARM_ALSO-}; do warm "$w"; done
+  timeout 150 python3 benchmarks/startup.py --runs "${STARTS:-3}" --label "mlx, max-batch 32" -- \
+    --engine mlx --model "$m" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
+  warm --warm-up
   ;;
-startup-ab)  # after build and an MLX step: `mesh-llm serve` started afresh (benchmarks/startup.py), the
-  # MLX engine warmed up in full (its marker removed) and as later starts are, alternated; then the
-  # llama engine (CUDA) on the same 0.5B weights, and llama-server's start
-  mlx_env
-  m=$models/qwen2.5-0.5b-mlx
-  for _ in 1 2 3; do
-    find "${MESH_LLM_HOME:-$HOME/.cache/mesh-llm}/mlx-kernels" -name 'warmed-*' -delete 2>/dev/null || true
-    timeout 60 python3 benchmarks/startup.py --runs 1 --label "mlx, max-batch 32, full warm-up" -- \
-      --engine mlx --model "$m" --ctx-size 2048 --max-batch 32 2>&1 | grep -v '^| ---' || true
-    timeout 60 python3 benchmarks/startup.py --runs 1 --label "mlx, max-batch 32, widths on disk" -- \
-      --engine mlx --model "$m" --ctx-size 2048 --max-batch 32 2>&1 | grep -v '^| ---' || true
-  done
+startup-ab)  # after build: `mesh-llm serve` started afresh (benchmarks/startup.py), the llama engine
+  # (CUDA) on the 0.5B weights and llama-server's start (after the build), then the MLX engine
+  # (2026-12-04, machine T: at da8d4b6, whose MLX starts alternated a full warm-up and one without the
+  # padded widths)
   llama_env
   timeout 100 python3 benchmarks/startup.py --runs 3 --label "llama, max-batch 32" -- \
     --engine llama --model "$models/qwen2.5-0.5b.gguf" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
@@ -558,6 +556,10 @@ startup-ab)  # after build and an MLX step: `mesh-llm serve` started afresh (ben
     echo "llama-server /health ok after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
     kill $pid; wait $pid 2>/dev/null || true
   done
+  mlx_env
+  unset LLAMA_CPP_LIB_PATH
+  timeout 150 python3 benchmarks/startup.py --runs 3 --label "mlx, max-batch 32" -- \
+    --engine mlx --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
   ;;
 startup-both)  # after the concurrency runs: `mesh-llm serve` started afresh (benchmarks/startup.py),
   # the MLX engine and then the llama engine (CUDA) on the same 0.5B weights, and llama-server's start

@@ -461,36 +461,6 @@ def test_the_warm_up_reads_every_padded_width_with_room_for_one_sequence(smollm)
     engine.close()
 
 
-def test_a_start_after_one_that_warmed_every_width_leaves_the_widths_out(monkeypatch, tmp_path, caplog):
-    """A warm-up that read every padded width leaves a mark in MLX's kernel folder (their kernels
-    are on disk from then on); a later start of the same shapes warms up without them, one with
-    another chunk size reads them all again. Every start still warms up."""
-    import logging
-
-    from mesh_llm.engines import mlx as mlx_engine
-    from mesh_llm.models import default_mlx_folder
-
-    monkeypatch.setattr(mlx_engine, "cuda_settings", lambda: str(tmp_path))
-    monkeypatch.setenv("MESH_LLM_PREFILL_BUCKET", "16")
-
-    def start(step):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="mesh_llm.engines.mlx"):
-            engine = MLXEngine.load(default_mlx_folder(), EngineOptions(
-                ctx_size=CONTEXT, prefill_step=step, cache_bytes=0, warm_up=True))
-        assert "warm_up" in engine.info().details
-        engine.close()
-        phases = [r.getMessage() for r in caplog.records if "warm-up phases" in r.getMessage()]
-        assert len(phases) == 1, phases
-        return "padded widths" in phases[0], sorted(p.name for p in tmp_path.glob("warmed-*"))
-
-    widths, marks = start(32)
-    assert widths and len(marks) == 1
-    assert start(32) == (False, marks)
-    widths, more = start(64)
-    assert widths and len(more) == 2 and set(marks) < set(more)
-
-
 def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
     """``mlx_sampling.scores`` skips the normalisation where nothing depends on it: greedy picks,
     top-k, min-p and seeded draws take the same tokens from float16 logits as from log-probabilities;

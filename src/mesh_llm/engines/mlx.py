@@ -16,10 +16,7 @@ Everything MLX runs on the thread that calls :meth:`MLXEngine.load`; this module
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
-import json
 import logging
 import os
 import time
@@ -190,17 +187,13 @@ class MLXEngine(Engine):
             details["kernel_cache"] = kernels
         engine = cls(model, tokenizer, config, ctx, options, details, fmt, traced=traced, bucket=bucket)
         if on_gpu() if options.warm_up is None else options.warm_up:
-            warmed = _warmed_marker(kernels, config, details, bucket, options)
             try:
-                seconds = engine.warm_up(widths=warmed is None or not warmed.exists())
+                seconds = engine.warm_up()
             except (EngineError, NoCapacity) as e:  # serving may still work: say so, go on
                 log.warning("warm-up skipped: %s", e)
             else:
                 details["warm_up"] = f"{seconds:.1f} s"
                 log.info("warm-up: %.1f s (the shapes serving uses, compiled and planned once)", seconds)
-                if warmed is not None:
-                    with contextlib.suppress(OSError):
-                        warmed.touch()
         return engine
 
     @property
@@ -297,23 +290,16 @@ class MLXEngine(Engine):
         if state is not None and held > 0:
             self._keep(s.tokens[:held], state)
 
-    def warm_up(self, widths: bool = True) -> float:
+    def warm_up(self) -> float:
         """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
         each kernel on its first use (then keeps it on disk, MLX_PTX_CACHE_DIR) and plans each new
         matrix product and attention shape once per process, which made a first request 5-17x slower
-        than later ones. With chunks padded to a bucket and ``widths``, each padded width at the start
-        and after a whole chunk; a prompt of one and a half chunks; then decode steps of one row and
-        of two, whose first use builds the batched decode attention (``mlx_attention``: compiled once
-        per GPU and kept on disk). Larger batch sizes are left to serving: a size's first join and
-        step cost 6-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s
-        for 32 sizes (benchmarks/results/h200-20261204c/). Nothing reaches the prompt cache. Returns
-        seconds.
-
-        ``widths=False`` (a start whose kernels an earlier start compiled, :func:`_warmed_marker`):
-        the padded widths are left out. With their kernels on disk, a width's first read costs 0-25 ms
-        more than its second, while reading them all cost 0.8-1.2 s of every start; the first forward
-        pass of a process (about 260 ms, whatever its width) is still paid by the long prompt
-        (benchmarks/results/h200-20261204e/)."""
+        than later ones. With chunks padded to a bucket, each padded width at the start and after a
+        whole chunk; a prompt of one and a half chunks; then decode steps of one row and of two, whose
+        first use builds the batched decode attention (``mlx_attention``: compiled once per GPU and
+        kept on disk). Larger batch sizes are left to serving: a size's first join and step cost
+        6-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
+        sizes (benchmarks/results/h200-20261204c/). Nothing reaches the prompt cache. Returns seconds."""
         started, caching = time.perf_counter(), self._caching
         self._caching = False
         try:
@@ -321,16 +307,15 @@ class MLXEngine(Engine):
             long = max(2, min(chunk + chunk // 2, self._context - 4))
             short = max(2, min(16, self._context - 4))
             greedy = SamplingParams(temperature=0.0)
-            buckets = range(self._bucket, min(chunk, self._context - 4) + 1, self._bucket) \
-                if self._bucket and widths else ()
+            buckets = range(self._bucket, min(chunk, self._context - 4) + 1, self._bucket) if self._bucket else ()
             rows = min(self._max_batch, 2)
             for size in buckets:  # every padded width, first in a prompt and after a whole chunk
                 for offset in {0, min(chunk, self._context - 4 - size)}:
                     self.add(-99, [(5 * i + size) % self._vocab for i in range(offset + size + 1)], greedy, 1)
-                    for _ in range(3):
+                    while self._reading:  # its last chunk's step also queues its first decode step
                         self.step(chunk)
                     self.remove(-99)
-            phases = [(f"{len(buckets)} padded widths", time.perf_counter())] if buckets else []
+            phases = [(f"{len(buckets)} padded widths", time.perf_counter())]
             steps = 4 + 2 * rows  # no row ends before the last step
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
@@ -572,18 +557,6 @@ class MLXEngine(Engine):
         self._seqs.clear()
         self._reading.clear()
         self._groups.clear()
-
-
-def _warmed_marker(kernels: str | None, config: dict[str, Any], details: dict[str, str], bucket: int,
-                   options: EngineOptions) -> Path | None:
-    """The file, in MLX's kernel folder, that says a warm-up with every padded width has run for
-    this model's shapes (config, dtype, quantization), chunk and bucket, so their kernels are on
-    disk; None where MLX keeps no kernel folder."""
-    if not kernels:
-        return None
-    shapes = json.dumps([config, details.get("dtype"), details.get("quantization"), bucket,
-                         options.prefill_step], sort_keys=True, default=str)
-    return Path(kernels) / f"warmed-{hashlib.sha256(shapes.encode()).hexdigest()[:16]}"
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
