@@ -543,7 +543,7 @@ print(d['label'], d.get('details', {}).get('warm_up'), [(r['prompt'], r['ttft_ms
   ;;
 startup-ab)  # after build: `mesh-llm serve` started afresh (benchmarks/startup.py), the llama engine
   # (CUDA) on the 0.5B weights and llama-server's start (after the build), then the MLX engine
-  # (2026-12-04, machine T: at da8d4b6, whose MLX starts alternated a full warm-up and one without the
+  # (2026-12-04, machine W: at da8d4b6, whose MLX starts alternated a full warm-up and one without the
   # padded widths)
   llama_env
   timeout 100 python3 benchmarks/startup.py --runs 3 --label "llama, max-batch 32" -- \
