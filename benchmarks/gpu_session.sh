@@ -35,6 +35,9 @@
 #   1. build (carry .device/llama, timeout_s 45)  2. stage (carry .device/a)
 #   3. kernels (carry .device/b: GPU tests, while the build runs)  4. conc-llama (carry .device/elf,
 #   .device/b/extra)  5. conc-mlx (carry [])  6. startup-both (carry []): MLX and llama engine starts
+# or the thirteenth session's: the twelfth's order with code-ab (carry .device/prev: this tree
+#   against a copy with one change, alternated) and conc-ab after kernels; on a later machine
+#   build, stage, warm-check (carry .device/b), startup-ab (carry .device/elf, .device/b/extra).
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
@@ -45,6 +48,8 @@
 #                                   (or)  bash benchmarks/gpu_session.sh new-lengths  # new prompt lengths, chunks padded or not
 #                                   (or)  bash benchmarks/gpu_session.sh startup      # mesh-llm serve started afresh, timed
 #                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
+#                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
+#                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
@@ -107,6 +112,17 @@ llama_env() {  # the CUDA llama.cpp build and the Python part of the same llama-
   # first: build the cache in a process of its own. The bench no longer imports matplotlib in such a
   # process (bench/cli.py _charts); this stays until a fresh machine has shown that it is enough
   python3 -c "import matplotlib.font_manager" || true
+}
+
+llama_server_starts() {  # llama-server started three times on the 0.5B GGUF, timed to /health ok
+  for _ in 1 2 3; do
+    port=$((20000 + RANDOM % 20000)); t0=$(date +%s%N)
+    /tmp/llama-cuda/bin/llama-server -m "$models/qwen2.5-0.5b.gguf" -ngl 99 -c 2048 -np 8 --port $port > /tmp/ls.log 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.02; done
+    echo "llama-server /health ok after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+    kill $pid; wait $pid 2>/dev/null || true
+  done
 }
 
 mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b; a
@@ -548,14 +564,7 @@ startup-ab)  # after build: `mesh-llm serve` started afresh (benchmarks/startup.
   llama_env
   timeout 100 python3 benchmarks/startup.py --runs 3 --label "llama, max-batch 32" -- \
     --engine llama --model "$models/qwen2.5-0.5b.gguf" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
-  for _ in 1 2 3; do
-    port=$((20000 + RANDOM % 20000)); t0=$(date +%s%N)
-    /tmp/llama-cuda/bin/llama-server -m "$models/qwen2.5-0.5b.gguf" -ngl 99 -c 2048 -np 8 --port $port > /tmp/ls.log 2>&1 &
-    pid=$!
-    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.02; done
-    echo "llama-server /health ok after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-    kill $pid; wait $pid 2>/dev/null || true
-  done
+  llama_server_starts
   mlx_env
   unset LLAMA_CPP_LIB_PATH
   timeout 150 python3 benchmarks/startup.py --runs 3 --label "mlx, max-batch 32" -- \
@@ -574,14 +583,7 @@ startup-both)  # after the concurrency runs: `mesh-llm serve` started afresh (be
     timeout 100 python3 benchmarks/startup.py --runs 3 --label "llama, max-batch $mb" -- \
       --engine llama --model "$models/qwen2.5-0.5b.gguf" --ctx-size 2048 --max-batch "$mb" 2>&1 | tail -n +2 || true
   done
-  for _ in 1 2 3; do
-    port=$((20000 + RANDOM % 20000)); t0=$(date +%s%N)
-    /tmp/llama-cuda/bin/llama-server -m "$models/qwen2.5-0.5b.gguf" -ngl 99 -c 2048 -np 8 --port $port > /tmp/ls.log 2>&1 &
-    pid=$!
-    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 0.02; done
-    echo "llama-server /health ok after $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-    kill $pid; wait $pid 2>/dev/null || true
-  done
+  llama_server_starts
   ;;
 conc-mlx)
   mlx_env
