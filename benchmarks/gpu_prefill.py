@@ -7,7 +7,7 @@ Prints, for prompt reads of 1 x 640, 1 x 2,048 and 4 x 512 tokens into fresh cac
 own forward pass, only the KV evaluated, as ``_read_chunk`` / ``_read_together`` do): the median
 wall time, the summed GPU kernel time and the largest kernels (PyTorch's profiler, which sees MLX's
 kernels through CUPTI), and tokens/s against 2 x parameters FLOPs per token. Before it, ``warm_up()``
-run twice; after it, eight 640-token prompts added at once to the engine, stepped with a prompt budget
+run twice more (the load ran it on a GPU); after it, eight 640-token prompts added at once to the engine, stepped with a prompt budget
 of 8,192 (the worker's while nothing decodes) and 2,048 tokens (while streams decode) until each has
 its first token.
 """
@@ -51,6 +51,7 @@ def profile(fn, repeats: int) -> dict:
         mx.eval(fn())
     return {"wall_ms": 1000 * statistics.median(times), **kernel_times(prof)}
 
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", type=Path)
@@ -60,8 +61,8 @@ def main() -> None:
     model = engine._model  # noqa: SLF001 - the engine's model, projections fused as it serves
     vocab = min(1000, engine.tokenizer.vocab_size)
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    print(f"{params / 1e6:.0f} M parameters; engine warm-up {engine.warm_up():.2f} s, "
-          f"again {engine.warm_up():.2f} s")
+    print(f"{params / 1e6:.0f} M parameters; the warm-up again after the load's (on a GPU): "
+          f"{engine.warm_up():.2f} s, {engine.warm_up():.2f} s")
     print("| read | wall ms | GPU kernel ms | kernels | tok/s | TFLOP/s (2 x params) |")
     print("| --- | --- | --- | --- | --- | --- |")
     tops = []

@@ -125,6 +125,13 @@ llama_server_starts() {  # llama-server started three times on the 0.5B GGUF, ti
   done
 }
 
+first_requests() {  # $1: --warm-up or "": the 0.5B's first request of each prompt length against
+  # a second (benchmarks/gpu_mlx_warm.py, which appends its line to $OUT/mlx-warm.jsonl), TTFTs printed
+  timeout 120 python3 benchmarks/gpu_mlx_warm.py "$models/qwen2.5-0.5b-mlx" $1 --label "warm-up: ${1:-no}" \
+    2>&1 | tail -1 | python3 -c "import json, sys; d = json.loads(sys.stdin.read())
+print(d['label'], d.get('details', {}).get('warm_up'), [(r['prompt'], r['ttft_ms']) for r in d['requests']])" || true
+}
+
 mlx_env() {  # MLX's CUDA build (the wheel staged by stage.sh, joined and installed by .device/b; a
   # later call on the same machine may carry .device/x instead: wheels the server needs, e.g. llguidance)
   if [ -f .device/b/install-mlx.sh ]; then source .device/b/install-mlx.sh; else export PYTHONPATH=/tmp/site; fi
@@ -505,11 +512,7 @@ prefill)  # carry [".device/b"], after stage-mlx: where a prompt read's time goe
     | tee "$OUT/prefill-0.5b.txt" | tail -20 || true
   [ "${WARM:-1}" = 0 ] && exit 0
   # then, kernels on disk: a first request of each length against a second, with and without warm-up
-  for w in --warm-up "" --warm-up ""; do
-    timeout 120 python3 benchmarks/gpu_mlx_warm.py "$models/qwen2.5-0.5b-mlx" $w --label "warm-up: ${w:-no}" \
-      2>&1 | tail -1 | python3 -c "import json, sys; d = json.loads(sys.stdin.read())
-print(d['label'], d.get('details', {}).get('warm_up'), [(r['prompt'], r['ttft_ms']) for r in d['requests']])" || true
-  done
+  for w in --warm-up "" --warm-up ""; do first_requests "$w"; done
   ;;
 gemv)  # carry [".device/b"], after stage-mlx: a decode-product kernel against MLX's products
   # (benchmarks/gpu_gemv.py, an experiment the engine does not use: its docstring says why)
@@ -546,16 +549,10 @@ warm-check)  # carry [".device/b"], after stage or stage-mlx: first requests of 
   # (benchmarks/startup.py, --max-batch 32), and a last first-request check
   mlx_env
   wait_model qwen2.5-0.5b
-  m=$models/qwen2.5-0.5b-mlx
-  warm() {
-    timeout 120 python3 benchmarks/gpu_mlx_warm.py "$m" $1 --label "warm-up: ${1:-no}" \
-      2>&1 | tail -1 | python3 -c "import json, sys; d = json.loads(sys.stdin.read())
-print(d['label'], d.get('details', {}).get('warm_up'), [(r['prompt'], r['ttft_ms']) for r in d['requests']])" || true
-  }
-  for w in --warm-up ${WARM_ALSO-}; do warm "$w"; done
+  for w in --warm-up ${WARM_ALSO-}; do first_requests "$w"; done
   timeout 150 python3 benchmarks/startup.py --runs "${STARTS:-3}" --label "mlx, max-batch 32" -- \
-    --engine mlx --model "$m" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
-  warm --warm-up
+    --engine mlx --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
+  first_requests --warm-up
   ;;
 startup-ab)  # after build: `mesh-llm serve` started afresh (benchmarks/startup.py), the llama engine
   # (CUDA) on the 0.5B weights and llama-server's start (after the build), then the MLX engine
