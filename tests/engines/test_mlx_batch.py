@@ -436,6 +436,37 @@ def test_a_bad_constraint_mask_ends_the_sequence_instead(smollm):
     assert {s.token for s in steps} <= set(smollm.tokenizer.eos_token_ids)
 
 
+def test_prompts_read_in_one_step_join_the_decode_group_in_one_merge_a_layer(smollm, monkeypatch):
+    """Four newcomers read together join the decode group in one merge a layer, and four more
+    joining the running four add one merge and one extend a layer (joined one at a time, each join
+    copied the whole batch again); every sequence answers as it does alone."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    engine = sibling(smollm, together=True, max_batch=8)
+    vocab = engine.tokenizer.vocab_size
+    cases = [Case([(7 * i + 13 * j) % vocab for j in range(40)], greedy(), 6, 0 if i < 4 else 3)
+             for i in range(8)]
+    alone = [run_alone(smollm, c) for c in cases]
+    calls = {"merge": 0, "extend": 0}
+    merge, extend = BatchKVCache.merge.__func__, BatchKVCache.extend
+
+    def counted_merge(cls, caches):
+        calls["merge"] += 1
+        return merge(cls, caches)
+
+    def counted_extend(self, other):
+        calls["extend"] += 1
+        return extend(self, other)
+
+    monkeypatch.setattr(BatchKVCache, "merge", classmethod(counted_merge))
+    monkeypatch.setattr(BatchKVCache, "extend", counted_extend)
+    batched = run_batched(engine, cases, budget=4096)
+    layers = len(engine._model.layers)
+    assert calls == {"merge": 2 * layers, "extend": layers}
+    assert all([s.token for s in batched[i]] == [s.token for s in alone[i]] for i in range(8))
+    engine.close()
+
+
 def test_warm_up_leaves_nothing_behind_and_changes_no_output(smollm):
     """The warm-up (on by default on a GPU, where it compiles and plans serving's shapes before the
     first request) holds no sequence and stores no prompt afterwards, and a request after it decodes

@@ -369,6 +369,7 @@ class MLXEngine(Engine):
         same (a model that needs checkpoints leaves one there)."""
         step, progressed = max(1, self._options.prefill_step), False
         pending: list[tuple[_Sequence, int]] = []  # chunks read together after the loop
+        ready: list[_Sequence] = []  # prompts read, to join the decode group together
         for s in list(self._reading):
             if budget <= 0:
                 break
@@ -389,7 +390,7 @@ class MLXEngine(Engine):
                 else:
                     budget -= self._read_chunk(s, end)
                 progressed = True
-            self._join_when_read(s)
+            self._done_reading(s, ready)
         starts = [s.read for s, _ in pending]  # before any is read
         for start in sorted(set(starts)):
             rows = [p for p, at in zip(pending, starts) if at == start]
@@ -398,12 +399,13 @@ class MLXEngine(Engine):
             else:
                 self._read_together(rows)
             for s, _ in rows:
-                self._join_when_read(s)
+                self._done_reading(s, ready)
+        self._join(ready)
 
-    def _join_when_read(self, s: _Sequence) -> None:
+    def _done_reading(self, s: _Sequence, ready: list[_Sequence]) -> None:
         if s.read == len(s.prompt) - 1:
             self._reading.remove(s)
-            self._join(s)
+            ready.append(s)
 
     def _read_chunk(self, s: _Sequence, end: int) -> int:
         step, target = max(1, self._options.prefill_step), len(s.prompt) - 1
@@ -514,14 +516,23 @@ class MLXEngine(Engine):
                 best, length = other, n
         return best, length
 
-    def _join(self, s: _Sequence) -> None:
-        caches, s.cache = s.cache, None
-        s.fed = len(s.prompt) - 1
-        if self._unbatchable or not self._groups:
-            self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined,
-                                            self._compiled))
-        s.group = self._groups[-1]
-        s.group.join(s, caches, s.prompt[-1])
+    def _join(self, seqs: list[_Sequence]) -> None:
+        """Sequences whose prompts are read join the decode group, all of one step's at once (cache
+        kinds that cannot batch: a group each)."""
+        joining: list[tuple[_Sequence, list[Any], int]] = []
+        for s in seqs:
+            caches, s.cache = s.cache, None
+            s.fed = len(s.prompt) - 1
+            if self._unbatchable or not self._groups:
+                self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined,
+                                                self._compiled))
+            s.group = self._groups[-1]
+            if self._unbatchable:
+                s.group.join([(s, caches, s.prompt[-1])])
+            else:
+                joining.append((s, caches, s.prompt[-1]))
+        if joining:
+            self._groups[-1].join(joining)
 
     # -- memory ----------------------------------------------------------------------------------
 

@@ -84,21 +84,28 @@ class DecodeGroup:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, row: Row, caches: list[Any], first: int) -> None:
-        """Add a row whose caches hold its tokens but the last, ``first``, which it feeds next."""
-        if not self.rows:
-            self._caches, self._batched = caches, False
-        elif not self._batched:
-            self._caches = [type(a).merge([a, b]) for a, b in zip(self._caches, caches)]
+    def join(self, joining: list[tuple[Row, list[Any], int]]) -> None:
+        """Add rows whose caches hold their tokens but the last, which each feeds next (``(row,
+        caches, first)``), in one merge a layer: a join copies the batch's KV and runs a few small
+        ops a layer, so eight newcomers joined one by one paid that eight times."""
+        if not joining:
+            return
+        rows = [row for row, _, _ in joining]
+        layers = list(zip(*(caches for _, caches, _ in joining)))  # each layer's new caches
+        if not self.rows and len(joining) == 1:
+            self._caches, self._batched = joining[0][1], False
+        elif not self.rows or not self._batched:
+            held = [[a] for a in self._caches] if self.rows else [[] for _ in layers]
+            self._caches = [type(new[0]).merge([*old, *new]) for old, new in zip(held, layers)]
             self._batched = True
         else:
-            for a, b in zip(self._caches, caches):
-                a.extend(type(b).merge([b]))
-        token = mx.array([first], dtype=mx.int32)
-        key = row.sampler.key[None]
-        self._inputs = token if self._inputs is None else mx.concatenate([self._inputs, token])
-        self._keys = key if self._keys is None else mx.concatenate([self._keys, key])
-        self.rows.append(row)
+            for a, new in zip(self._caches, layers):
+                a.extend(type(new[0]).merge(list(new)))
+        tokens = mx.array([first for _, _, first in joining], dtype=mx.int32)
+        keys = mx.stack([row.sampler.key for row in rows])
+        self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
+        self._keys = keys if self._keys is None else mx.concatenate([self._keys, keys])
+        self.rows += rows
         self._settings = None
 
     def leave(self, row: Row) -> list[Any]:
