@@ -468,12 +468,14 @@ def test_a_float_folder_loads_without_transformers_or_torch(checkpoints, tmp_pat
         "False", "False", "mlx_lm.utils", "True", "False", "True", "2.9.0"]
 
 
-def test_a_float_folder_is_built_as_mlx_lm_load_model_builds_it(checkpoints):
+def test_a_float_folder_is_built_as_mlx_lm_load_model_builds_it(checkpoints, monkeypatch):
     """The engine's own folder loader against mlx-lm's: the same classes, the same weights, and the
-    same class for every model type mlx-lm remaps to another's module."""
+    same class for every model type mlx-lm remaps to another's module (read from its source, or
+    ``_get_classes`` itself where the source no longer has them)."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING, _get_classes, load_model
 
+    from mesh_llm.engines import mlx_load
     from mesh_llm.engines.mlx_load import load_folder, model_classes
 
     for checkpoint in checkpoints.values():
@@ -495,6 +497,8 @@ def test_a_float_folder_is_built_as_mlx_lm_load_model_builds_it(checkpoints):
                 model_classes(config)
             continue
         assert model_classes(config) == expected, config
+    monkeypatch.setattr(mlx_load, "_remappings", lambda: None)
+    assert model_classes({"model_type": "mistral"}) == _get_classes({"model_type": "mistral"})
 
 
 def test_tokenizer_adds_the_bos_its_config_asks_for(checkpoints, tokenizer_obj, tmp_path):

@@ -101,10 +101,10 @@ def _bad_weight_file(path: Path) -> Path | None:
 
 
 @functools.cache
-def _remappings() -> tuple[dict, dict]:
+def _remappings() -> tuple[dict, dict] | None:
     """mlx-lm's ``MODEL_REMAPPING`` and ``MODEL_ARCHITECTURE_REMAPPING`` (model types served by
     another type's module), read from ``mlx_lm/utils.py``'s source: importing it imports
-    transformers. Empty where the source no longer has them as literals."""
+    transformers. None where the source no longer has them as literals."""
     spec = importlib.util.find_spec("mlx_lm.utils")
     found: dict[str, Any] = {}
     if spec and spec.origin:
@@ -113,13 +113,19 @@ def _remappings() -> tuple[dict, dict]:
                     and isinstance(node.targets[0], ast.Name)
                     and node.targets[0].id in ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING")):
                 found[node.targets[0].id] = ast.literal_eval(node.value)
-    return found.get("MODEL_REMAPPING", {}), found.get("MODEL_ARCHITECTURE_REMAPPING", {})
+    if len(found) < 2:
+        return None
+    return found["MODEL_REMAPPING"], found["MODEL_ARCHITECTURE_REMAPPING"]
 
 
 def model_classes(config: dict[str, Any]):
-    """The ``Model`` and ``ModelArgs`` classes ``mlx_lm.utils._get_classes`` picks for a config."""
+    """The ``Model`` and ``ModelArgs`` classes ``mlx_lm.utils._get_classes`` picks for a config
+    (``_get_classes`` itself where its remappings cannot be read)."""
+    remappings = _remappings()
+    if remappings is None:
+        return mlx_lm_utils()._get_classes(config)
+    by_type, by_architecture = remappings
     model_type = config["model_type"]
-    by_type, by_architecture = _remappings()
     architectures = config.get("architectures") or ()
     for architecture in (architectures,) if isinstance(architectures, str) else architectures:
         if (model_type, architecture) in by_architecture:
