@@ -58,6 +58,20 @@ def test_extension_takes_the_entry_and_branch_copies_the_longest_of_all_entries(
     assert cache.stats()["entries"] == 1
 
 
+def test_a_lookup_reuses_nothing_under_its_least():
+    """``least`` (the MLX engine's minimum reuse while reading prompts together): a stored entry or
+    a live prefix under it is not reused, and the lookup counts a miss; from it up, as before."""
+    cache = PromptCache(10_000)
+    doc = list(range(100, 140))
+    state = store(cache, doc)
+    assert cache.lookup(doc[:10] + [9], least=16) == (None, 0)
+    assert cache.lookup(doc + [9], live=12, least=64) == (None, 0)
+    assert cache.lookup(doc[:20] + [9] * 10, live=25, least=16) == (None, 25)  # live holds more
+    assert state.resumed == [] and cache.stats()["misses"] == 2
+    (tokens, _), reused = cache.lookup(doc + [9], live=12, least=16)
+    assert (tokens, reused) == (doc, 40)
+
+
 def test_checkpoints_are_used_only_when_wholly_a_prefix():
     cache = PromptCache(10_000)
     base = list(range(1, 33))

@@ -74,11 +74,10 @@ _CLEAR_EVERY = 256  # steps between returns of the allocator's cached buffers
 # Elsewhere padding only adds arithmetic.
 CUDA_PREFILL_BUCKET = 64
 # Reading prompts together, a newcomer starts from a stored or running prefix only if it holds at
-# least this many tokens. Behind the server, chat prompts share a few template tokens ("<|im_start|>
-# system\nSession ..."): reusing 3-7 of them gave eight newcomers 3-7 different start positions, so
-# their chunks were read in up to four passes, each newcomer's prefix copied out first (the H200, 8
-# streams: first tokens 250-500 ms after the requests, against 87-125 ms when all start together:
-# benchmarks/results/h200-20261204d/). Recomputing fewer tokens than this costs a GPU nothing.
+# least this many tokens. Chat prompts that share only a template's first few tokens would otherwise
+# start at as many positions and be read in as many passes, each newcomer's prefix copied out first;
+# recomputing fewer tokens than this costs a GPU nothing. (The bench's 8-stream prompts share no
+# prefix, so it did not move their TTFT on the H200: benchmarks/results/h200-20261204e/, section 3.)
 TOGETHER_MIN_REUSE = 64
 
 
@@ -141,6 +140,10 @@ class MLXEngine(Engine):
             together = on_gpu() and os.environ.get("MESH_LLM_PREFILL_TOGETHER", "1") != "0"
         plain = all(type(c) is KVCache for c in fresh)
         self._together = together and plain  # stacked, split again
+        # Reading together, a newcomer reuses no prefix under TOGETHER_MIN_REUSE tokens (then it
+        # starts at position 0 with the others), or under a chunk where chunks are shorter (one that
+        # waited for a shared chunk, ``_waits``, reuses it).
+        self._least_reuse = min(TOGETHER_MIN_REUSE, max(1, options.prefill_step)) if self._together else 0
         self._bucket = bucket if plain and bucket > 0 else 0  # cut back by trimming the caches
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
@@ -482,9 +485,9 @@ class MLXEngine(Engine):
         """Give ``s`` its caches: the longest stored prefix of its prompt, or a copy of a live
         sequence's state when that shares more (plain KV models only), else fresh ones."""
         cache, reused = None, 0
-        source, live = self._best_live(s) if self._caching else (None, 0)
-        if self._caching and not self._too_little_to_reuse(s, live):
-            cache, reused = self._prompts.lookup(s.prompt, live)
+        if self._caching:
+            source, live = self._best_live(s)
+            cache, reused = self._prompts.lookup(s.prompt, live, least=self._least_reuse)
             if cache is None and reused:
                 cache = (source.group.prefix(source, reused) if source.group is not None
                          else [_kv_prefix(c, reused) for c in source.cache])
@@ -492,16 +495,6 @@ class MLXEngine(Engine):
                 log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(s.prompt))
         s.cache = cache if cache is not None else make_prompt_cache(self._model)
         s.read = s.reused = reused
-
-    def _too_little_to_reuse(self, s: _Sequence, live: int) -> bool:
-        """Reading together, whether the most ``s`` could reuse (``live`` tokens of a running
-        sequence, or a stored prefix) is under :data:`TOGETHER_MIN_REUSE` tokens (then it starts at
-        position 0 with the other newcomers), or under a chunk where chunks are shorter (a sequence
-        that waited for a shared chunk, ``_waits``, reuses it)."""
-        if not self._together:
-            return False
-        least = min(TOGETHER_MIN_REUSE, max(1, self._options.prefill_step))
-        return max(live, self._prompts.peek(s.prompt)) < least
 
     def _best_live(self, s: _Sequence) -> tuple[_Sequence | None, int]:
         if self._checkpoints:  # recurrent or sliding state cannot be cut back to a shared prefix

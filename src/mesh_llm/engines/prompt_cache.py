@@ -69,13 +69,17 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0 and self.max_entries > 0
 
-    def lookup(self, prompt: Sequence[int], live: int = 0) -> tuple[Any, int]:
+    def lookup(self, prompt: Sequence[int], live: int = 0, least: int = 0) -> tuple[Any, int]:
         """``(live state, tokens it holds)`` for the best entry, or ``(None, 0)`` on a miss.
         ``live``: how many leading prompt tokens the engine's own live state holds and can keep;
-        an entry is resumed only if it saves more, else the answer is ``(None, live)``."""
+        an entry is resumed only if it saves more, else the answer is ``(None, live)``. ``least``:
+        neither is reused below that many tokens (a miss)."""
         query = np.asarray(prompt, dtype=np.int32)
+        live = live if live >= least else 0
         with self._lock:
             best = self._best(query) if self._entries and len(query) > self.recompute else None
+            if best is not None and best[1] < least:
+                best = None
             if best is None or best[1] <= live:
                 if live > 0:
                     self._hits += 1
