@@ -91,15 +91,24 @@ def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None
         for _ in range(tokens):
             y = forward(y)
             mx.eval(y)
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.time_range.elapsed_us() for e in events)
-    top: dict[str, float] = {}
-    for e in events:
-        top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
+    found = kernel_times(prof, top=12)
     name = "traced step" if traced else "model step"
-    return {"case": f"kernels ({name})", "kernels_per_step": len(events) / tokens,
-            "gpu_ms_per_step": busy / tokens / 1000,
-            "top": sorted(((n, t / tokens) for n, t in top.items()), key=lambda p: -p[1])[:12]}
+    return {"case": f"kernels ({name})", "kernels_per_step": found["kernels"] / tokens,
+            "gpu_ms_per_step": found["gpu_ms"] / tokens,
+            "top": [(n, t / tokens) for n, t in found["top"]]}
+
+
+def kernel_times(prof, top: int = 8) -> dict:
+    """A PyTorch profile's CUDA kernels (MLX's, through CUPTI): how many, their summed ms, and the
+    ``top`` names (cut to 60 characters) by summed µs."""
+    import torch  # noqa: PLC0415
+
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
+    return {"kernels": len(events), "gpu_ms": sum(by_name.values()) / 1000,
+            "top": sorted(by_name.items(), key=lambda p: -p[1])[:top]}
 
 
 def hand_loop_on_engine_caches(engine: MLXEngine, prompt: list[int], tokens: int) -> dict:

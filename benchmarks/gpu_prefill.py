@@ -19,8 +19,10 @@ import statistics
 import time
 from pathlib import Path
 
-from mesh_llm.engines.base import EngineOptions, SamplingParams
-from mesh_llm.engines.mlx import MLXEngine  # sets up MLX before its first import
+from gpu_mlx_step import kernel_times  # benchmarks/, the script's own folder; sets up MLX first
+
+from mesh_llm.engines.base import EngineOptions, SamplingParams  # noqa: E402
+from mesh_llm.engines.mlx import MLXEngine  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -111,16 +113,6 @@ def newcomers(engine: MLXEngine, vocab: int, budget: int, attempt: int, profiled
         steps, first = run()
     return steps, first, kernel_times(prof)
 
-
-def kernel_times(prof) -> dict:
-    import torch  # noqa: PLC0415
-
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    top: dict[str, float] = {}
-    for e in events:
-        top[e.name[:70]] = top.get(e.name[:70], 0.0) + e.time_range.elapsed_us()
-    return {"kernels": len(events), "gpu_ms": sum(top.values()) / 1000,
-            "top": sorted(top.items(), key=lambda p: -p[1])[:8]}
 
 if __name__ == "__main__":
     main()
