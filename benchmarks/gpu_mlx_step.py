@@ -100,15 +100,22 @@ def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None
 
 def kernel_times(prof, top: int = 8) -> dict:
     """A PyTorch profile's CUDA kernels (MLX's, through CUPTI): how many, their summed ms, and the
-    ``top`` names (cut to 60 characters) by summed µs."""
+    ``top`` names (cut to 60 characters) by summed µs; and the same for the host's CUDA driver and
+    runtime calls (``api_ms``, ``api_top``: launching graphs, building them, waiting)."""
     import torch  # noqa: PLC0415
 
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, float] = {}
-    for e in events:
-        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
-    return {"kernels": len(events), "gpu_ms": sum(by_name.values()) / 1000,
-            "top": sorted(by_name.items(), key=lambda p: -p[1])[:top]}
+    api: dict[str, float] = {}
+    kernels = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.time_range.elapsed_us()
+        elif e.name.startswith("cu"):
+            api[e.name] = api.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return {"kernels": kernels, "gpu_ms": sum(by_name.values()) / 1000,
+            "top": sorted(by_name.items(), key=lambda p: -p[1])[:top],
+            "api_ms": sum(api.values()) / 1000, "api_top": sorted(api.items(), key=lambda p: -p[1])[:top]}
 
 
 def hand_loop_on_engine_caches(engine: MLXEngine, prompt: list[int], tokens: int) -> dict:

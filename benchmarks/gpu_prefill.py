@@ -1,15 +1,16 @@
 """Where a prompt read's time goes on a GPU, against its compute floor; and what the warm-up costs a
 second time in the same process (what is left once kernels are loaded and products planned).
 
-    python3 benchmarks/gpu_prefill.py MODEL_FOLDER [--repeats 5]
+    python3 benchmarks/gpu_prefill.py MODEL_FOLDER [--repeats 5] [--attempts 1] [--newcomers-only]
 
 Prints, for prompt reads of 1 x 640, 1 x 2,048 and 4 x 512 tokens into fresh caches (the engine's
 own forward pass, only the KV evaluated, as ``_read_chunk`` / ``_read_together`` do): the median
 wall time, the summed GPU kernel time and the largest kernels (PyTorch's profiler, which sees MLX's
 kernels through CUPTI), and tokens/s against 2 x parameters FLOPs per token. Before it, ``warm_up()``
-run twice more (the load ran it on a GPU); after it, eight 640-token prompts added at once to the engine, stepped with a prompt budget
-of 8,192 (the worker's while nothing decodes) and 2,048 tokens (while streams decode) until each has
-its first token.
+run twice more (the load ran it on a GPU); after it, eight 640-token prompts added at once to the
+engine, stepped with a prompt budget of 8,192 (the worker's while nothing decodes) and 2,048 tokens
+(while streams decode) until each has its first token: ``--attempts`` times each, then once under
+the profiler, which also sums the host's CUDA calls. ``--newcomers-only`` skips the reads' table.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", type=Path)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--newcomers-only", action="store_true", help="skip the prompt reads' table")
+    parser.add_argument("--attempts", type=int, default=1, help="unprofiled newcomer attempts a budget")
     args = parser.parse_args()
     engine = MLXEngine.load(args.model, EngineOptions(ctx_size=4096, cache_bytes=0, max_batch=8))
     model = engine._model  # noqa: SLF001 - the engine's model, projections fused as it serves
@@ -65,23 +68,39 @@ def main() -> None:
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{params / 1e6:.0f} M parameters; the warm-up again after the load's (on a GPU): "
           f"{engine.warm_up():.2f} s, {engine.warm_up():.2f} s")
+    if not args.newcomers_only:
+        reads(model, params, vocab, args.repeats)
+    attempt = 0
+    for budget in (8192, 2048):
+        for profiled in [False] * args.attempts + [True]:
+            steps, first, gpu = newcomers(engine, vocab, budget, attempt, profiled)
+            attempt += 1
+            ms = ", ".join(f"{x:.0f}" for x in steps)
+            line = (f"8 x 640 added at once, {budget} prompt tokens a step: first tokens after "
+                    f"{min(first):.0f}-{max(first):.0f} ms, steps (ms): {ms}")
+            if gpu:
+                line += (f"; GPU kernels {gpu['gpu_ms']:.1f} ms ({gpu['kernels']}): {named(gpu['top'])}"
+                         f"; CUDA calls {gpu['api_ms']:.1f} ms: {named(gpu['api_top'])}")
+            print(line)
+
+
+def named(top: list[tuple[str, float]]) -> str:
+    return "; ".join(f"{n} {us / 1000:.2f} ms" for n, us in top)
+
+
+def reads(model, params: int, vocab: int, repeats: int) -> None:
+    """The table of prompt reads into fresh caches, and their largest kernels."""
     print("| read | wall ms | GPU kernel ms | kernels | tok/s | TFLOP/s (2 x params) |")
     print("| --- | --- | --- | --- | --- | --- |")
     tops = []
     for rows, length in ((1, 640), (1, 2048), (4, 512)):
-        r = profile(lambda: read(model, rows, length, vocab), args.repeats)
+        r = profile(lambda: read(model, rows, length, vocab), repeats)
         tokens = rows * length
         print(f"| {rows} x {length} | {r['wall_ms']:.1f} | {r['gpu_ms']:.1f} | {r['kernels']} | "
               f"{tokens / r['wall_ms'] * 1000:,.0f} | {2 * params * tokens / r['wall_ms'] / 1e9:.1f} |")
         tops.append((f"{rows} x {length}", r["top"]))
     for name, top in tops:
-        print(f"{name}: " + "; ".join(f"{n} {us / 1000:.2f} ms" for n, us in top))
-    for attempt, budget in enumerate((8192, 8192, 2048, 2048)):
-        steps, first, gpu = newcomers(engine, vocab, budget, attempt, profiled=attempt % 2 == 1)
-        print(f"8 x 640 added at once, {budget} prompt tokens a step: first tokens after "
-              f"{min(first):.0f}-{max(first):.0f} ms, steps (ms): {', '.join(f'{x:.0f}' for x in steps)}"
-              + (f"; GPU kernels {gpu['gpu_ms']:.1f} ms ({gpu['kernels']}): " + "; ".join(
-                  f"{n} {us / 1000:.2f} ms" for n, us in gpu["top"]) if gpu else ""))
+        print(f"{name}: {named(top)}")
 
 
 def newcomers(engine: MLXEngine, vocab: int, budget: int, attempt: int, profiled: bool):

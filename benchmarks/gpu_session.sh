@@ -50,6 +50,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
 #                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
+#      or carry [".device/b", ".device/prev", ".device/x"]  newcomers-ab  # 8 newcomers, this tree against a copy
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
@@ -542,6 +543,23 @@ newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams
   timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 1,8 --rounds 3 2>&1 | grep "^|" || true
   timeout 120 python3 benchmarks/scheduler_rounds.py "$m" --streams 8 --rounds 3 --profile 2>&1 \
     | tee "$OUT/newcomers-profile.txt" | grep -v "^$" | cut -c1-160 | tail -75 || true
+  ;;
+newcomers-ab)  # carry [".device/b", ".device/prev", ".device/x"], after stage-mlx: eight newcomers with
+  # this tree's code and with .device/prev/src's (a copy of src/ before one change), in the order
+  # ORDER gives: the engine alone (gpu_prefill.py --newcomers-only, steps and CUDA calls profiled),
+  # then rounds of 1 and 8 through the scheduler (scheduler_rounds.py)
+  mlx_env
+  wait_model qwen2.5-0.5b
+  m=$models/qwen2.5-0.5b-mlx
+  n=0
+  for t in ${ORDER:-new prev new prev}; do
+    n=$((n + 1)); code=$root/src; [ "$t" = prev ] && code=$root/.device/prev/src
+    echo "== $t ($n)"
+    PYTHONPATH=$code:/tmp/site timeout 120 python3 benchmarks/gpu_prefill.py "$m" --newcomers-only \
+      --attempts 2 2>&1 | grep -v Warning | tee "$OUT/newcomers-$t$n.txt" | cut -c1-300 | tail -7 || true
+    PYTHONPATH=$code:/tmp/site timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 1,8 \
+      --rounds 3 2>&1 | grep "^|" | tee "$OUT/rounds-$t$n.txt" || true
+  done
   ;;
 warm-check)  # carry [".device/b"], after stage or stage-mlx: first requests of each prompt length
   # against second ones (benchmarks/gpu_mlx_warm.py) with the warm-up (the first run of a fresh machine

@@ -436,10 +436,11 @@ def test_a_bad_constraint_mask_ends_the_sequence_instead(smollm):
     assert {s.token for s in steps} <= set(smollm.tokenizer.eos_token_ids)
 
 
-def test_prompts_read_in_one_step_join_the_decode_group_in_one_merge_a_layer(smollm, monkeypatch):
-    """Four newcomers read together join the decode group in one merge a layer, and four more
-    joining the running four add one merge and one extend a layer (joined one at a time, each join
-    copied the whole batch again); every sequence answers as it does alone."""
+def test_prompts_read_in_one_pass_join_the_decode_group_from_its_batch(smollm, monkeypatch):
+    """Four newcomers read together join the decode group straight from the batch they were read in
+    (no merge), and four more joining the running four add one extend a layer (merging each row's
+    copy back cost two small ops a row and layer; joined one at a time, each join copied the whole
+    batch again); every sequence answers as it does alone."""
     from mlx_lm.models.cache import BatchKVCache
 
     engine = sibling(smollm, together=True, max_batch=8)
@@ -462,8 +463,27 @@ def test_prompts_read_in_one_step_join_the_decode_group_in_one_merge_a_layer(smo
     monkeypatch.setattr(BatchKVCache, "extend", counted_extend)
     batched = run_batched(engine, cases, budget=4096)
     layers = len(engine._model.layers)
-    assert calls == {"merge": 2 * layers, "extend": layers}
+    assert calls == {"merge": 0, "extend": layers}
     assert all([s.token for s in batched[i]] == [s.token for s in alone[i]] for i in range(8))
+    engine.close()
+
+
+def test_rows_read_together_stay_one_batch_through_chunks_joins_and_a_leave(smollm):
+    """Six newcomers read together (the GPU default), whose prompts end after one, two and three
+    chunks: rows that go on are read from the last pass's batch (some of its rows: a gather), rows
+    that end join the decode group from it right-aligned, and one removed mid-prompt leaves its own
+    copy to the prompt cache, which a later prompt resumes from. Each answers as it does alone."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, together=True, model=model, cache_bytes=1 << 30, max_batch=8)
+    vocab = engine.tokenizer.vocab_size
+    cases = [Case([(7 * i + 13 * j + 3) % vocab for j in range(n)], greedy(), 5)
+             for i, n in enumerate([20, 50, 70, 40, 90, 75])]
+    later = Case(cases[4].prompt[:80] + [11, 12, 13], greedy(), 5, start=4)
+    batched = run_batched(engine, [*cases, later], budget=4096, leave={4: 2})
+    assert model.chunk_rows[:3] == [6, 5, 2], model.chunk_rows  # chunks of 32 tokens
+    assert len(batched[4]) == 0 and batched[6][0].cached_tokens == 64
+    kept = [c for i, c in enumerate([*cases, later]) if i != 4]
+    same_as_alone(kept, [run_alone(smollm, c) for c in kept], [batched[i] for i in (0, 1, 2, 3, 5, 6)])
     engine.close()
 
 

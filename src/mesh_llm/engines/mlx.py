@@ -47,7 +47,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines.mlx_batch import DecodeGroup, Row, kv_copy
+from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, kv_copy
 from mesh_llm.engines.mlx_compiled import CompiledDecode
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
@@ -90,6 +90,9 @@ class _Sequence(Row):
         self.tokens = list(prompt)
         self.cache: list[Any] | None = None  # its own layer caches while it reads its prompt
         self.read = 0  # prompt tokens those caches hold
+        # The layer caches of the forward pass that read its last chunk with other rows', and its row
+        # there: ``cache`` then holds views of that row, not copies (``_read_together``).
+        self.shared: tuple[list[KVCache], int] | None = None
         self.fed = self.reused = 0
         self.first = self.alive = True
         self.group: DecodeGroup | None = None
@@ -284,6 +287,8 @@ class MLXEngine(Engine):
         if s.group is None:
             self._reading.remove(s)
             state, held, s.cache = s.cache, s.read, None
+            if s.shared is not None and state is not None:  # views would hold the whole batch
+                state = [_kv_prefix(c, held) for c in state]
         else:
             state, held = s.group.leave(s), s.fed
             if not s.group:
@@ -419,35 +424,40 @@ class MLXEngine(Engine):
         for c in s.cache if pad else ():
             c.trim(pad)  # the padding follows the chunk's tokens: the causal mask kept it out of them
         self._evaluate([c.state for c in s.cache])
-        s.read = end
+        s.read, s.shared = end, None
         if self._checkpoints and self._caching and (end % step == 0 or end == target):
             self._keep(s.prompt[:end], copy.deepcopy(s.cache))
         return end - start
 
     def _read_together(self, rows: list[tuple[_Sequence, int]]) -> None:
         """Chunks of several sequences that all hold ``start`` tokens, in one forward pass: their KV
-        stacked into one batch cache, shorter chunks right-padded (a causal mask keeps padding that
-        follows a row's tokens out of them), then each row's KV cut back out up to its own end."""
+        stacked into one batch cache (the last pass's as it is, where it read just these rows),
+        shorter chunks right-padded (a causal mask keeps padding that follows a row's tokens out of
+        them); then each row's caches are views of its row, up to its own end. Copying each row out
+        and back cost two small ops a row and layer each time (on CUDA, host time per op)."""
         start = rows[0][0].read
         width = self._padded(start, max(end for _, end in rows))
         tokens = mx.array([s.prompt[start:end] + [0] * (width - (end - start)) for s, end in rows])
+        last = _last_pass([s for s, _ in rows]) if start else None
         batch = []
         for layer in range(len(rows[0][0].cache)):
             c = KVCache()
-            if start:
+            if last is not None:
+                old, index = last[0][layer], last[1]
+                c.keys, c.values = old.keys[..., :start, :], old.values[..., :start, :]
+                if index is not None:
+                    c.keys, c.values = c.keys[index], c.values[index]
+            elif start:
                 c.keys = mx.concatenate([s.cache[layer].keys[..., :start, :] for s, _ in rows])
                 c.values = mx.concatenate([s.cache[layer].values[..., :start, :] for s, _ in rows])
-                c.offset = start
+            c.offset = start
             batch.append(c)
         with mlx_attention.keys_in_steps(bool(self._bucket)):
             self._model(tokens, cache=batch)
-        state = []
         for i, (s, end) in enumerate(rows):
-            s.cache = [kv_copy(c.keys[i:i + 1, :, :end], c.values[i:i + 1, :, :end], now=False)
-                       for c in batch]
-            s.read = end
-            state += [a for c in s.cache for a in (c.keys, c.values)]
-        self._evaluate(state)
+            s.cache = [_kv_view(c, i, end) for c in batch]
+            s.read, s.shared = end, (batch, i)
+        self._evaluate([a for c in batch for a in (c.keys, c.values)])
 
     def _padded(self, start: int, end: int) -> int:
         """The width of the chunk of prompt positions ``start`` to ``end`` once padded to its bucket:
@@ -495,6 +505,7 @@ class MLXEngine(Engine):
                 log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(s.prompt))
         s.cache = cache if cache is not None else make_prompt_cache(self._model)
         s.read = s.reused = reused
+        s.shared = None
 
     def _best_live(self, s: _Sequence) -> tuple[_Sequence | None, int]:
         if self._checkpoints:  # recurrent or sliding state cannot be cut back to a shared prefix
@@ -510,22 +521,36 @@ class MLXEngine(Engine):
         return best, length
 
     def _join(self, seqs: list[_Sequence]) -> None:
-        """Sequences whose prompts are read join the decode group, all of one step's at once (cache
-        kinds that cannot batch: a group each)."""
-        joining: list[tuple[_Sequence, list[Any], int]] = []
+        """Sequences whose prompts are read join the decode group, all of one step's at once: rows
+        read in one forward pass straight from its batch (cache kinds that cannot batch: a group
+        each)."""
+        if not seqs:
+            return
         for s in seqs:
-            caches, s.cache = s.cache, None
             s.fed = len(s.prompt) - 1
-            if self._unbatchable or not self._groups:
-                self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined,
-                                                self._compiled))
-            s.group = self._groups[-1]
-            if self._unbatchable:
-                s.group.join([(s, caches, s.prompt[-1])])
-            else:
-                joining.append((s, caches, s.prompt[-1]))
-        if joining:
-            self._groups[-1].join(joining)
+        if self._unbatchable:
+            for s in seqs:
+                s.group = DecodeGroup(self._model, self._vocab, self._eos, self._pipelined, self._compiled)
+                self._groups.append(s.group)
+                s.group.join([s], [s.cache], [s.prompt[-1]])
+                s.cache = None
+            return
+        if not self._groups:
+            self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined,
+                                            self._compiled))
+        group, passes = self._groups[-1], {}
+        for s in seqs:
+            if s.shared is not None:
+                passes.setdefault(id(s.shared[0]), []).append(s)
+        for rows in passes.values():
+            if len(rows) > 1:
+                batch = batch_rows(rows[0].shared[0], [s.shared[1] for s in rows], [s.read for s in rows])
+                group.join_batch(rows, batch, [s.prompt[-1] for s in rows])
+        own = [s for s in seqs if s.shared is None or len(passes[id(s.shared[0])]) == 1]
+        if own:
+            group.join(own, [s.cache for s in own], [s.prompt[-1] for s in own])
+        for s in seqs:
+            s.group, s.cache, s.shared = group, None, None
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -573,3 +598,20 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 def _kv_prefix(c: Any, n: int) -> Any:
     return kv_copy(c.keys[..., :n, :], c.values[..., :n, :])
+
+
+def _kv_view(c: KVCache, row: int, n: int) -> KVCache:
+    """A plain KV cache of one row's first ``n`` positions of a batch's, sharing its buffers: a
+    later write copies them (MLX does not write in place into a buffer another array reads)."""
+    view = KVCache()
+    view.keys, view.values, view.offset = c.keys[row:row + 1, :, :n], c.values[row:row + 1, :, :n], n
+    return view
+
+
+def _last_pass(seqs: list[_Sequence]) -> tuple[list[KVCache], mx.array | None] | None:
+    """The layer caches of the forward pass that read the last chunk of every one of ``seqs``, and
+    their rows in it (None: all its rows, in order), or None if they were not all read there."""
+    if not seqs or any(s.shared is None or s.shared[0] is not seqs[0].shared[0] for s in seqs):
+        return None
+    batch, rows = seqs[0].shared[0], [s.shared[1] for s in seqs]
+    return batch, None if rows == list(range(batch[0].keys.shape[0])) else mx.array(rows)

@@ -1,11 +1,12 @@
 """Sequences decoded together: one forward pass a step over a batch of rows, each sampled by its own
 settings, and the batch's layer caches kept in step as rows join and leave.
 
-A row joins once its prompt, all but the last token, is in its own layer caches (``mlx.py`` prefills
-it alone). The first row's caches are used as they are, so a lone sequence decodes exactly as it
-would unbatched; a second turns them into mlx-lm's batched caches (``merge``: KVCache ->
-BatchKVCache, RotatingKVCache -> BatchRotatingKVCache; ArraysCache and CacheList batch themselves),
-later ones are appended (``extend``). Rows of different lengths are right-aligned: a short row is
+A row joins once its prompt, all but the last token, is in its layer caches (``mlx.py`` reads it).
+The first row's caches are used as they are, so a lone sequence decodes exactly as it would
+unbatched; more turn them into mlx-lm's batched caches (``merge``: KVCache -> BatchKVCache,
+RotatingKVCache -> BatchRotatingKVCache; ArraysCache and CacheList batch themselves), and later ones
+are appended (``extend``). Rows whose prompts were read in one forward pass join from that pass's
+batch as it is (:func:`batch_rows`). Rows of different lengths are right-aligned: a short row is
 left-padded to the longest and the padding masked, so the batch's KV takes rows x the longest row.
 A row that leaves is cut out: ``extract`` gives back its own caches (for the prompt cache) and
 ``filter`` drops it. A join or a leave copies the batch's KV once.
@@ -84,24 +85,33 @@ class DecodeGroup:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, joining: list[tuple[Row, list[Any], int]]) -> None:
-        """Add rows whose caches hold their tokens but the last, which each feeds next (``(row,
-        caches, first)``), in one merge a layer: a join copies the batch's KV and runs a few small
-        ops a layer, so eight newcomers joined one by one paid that eight times."""
-        if not joining:
-            return
-        rows = [row for row, _, _ in joining]
-        layers = list(zip(*(caches for _, caches, _ in joining)))  # each layer's new caches
-        if not self.rows and len(joining) == 1:
-            self._caches, self._batched = joining[0][1], False
-        elif not self.rows or not self._batched:
-            held = [[a] for a in self._caches] if self.rows else [[] for _ in layers]
-            self._caches = [type(new[0]).merge([*old, *new]) for old, new in zip(held, layers)]
-            self._batched = True
+    def join(self, rows: list[Row], caches: list[list[Any]], firsts: list[int]) -> None:
+        """Add rows whose own layer caches (``caches``, one list a row) hold their tokens but the
+        last, which each feeds next (``firsts``), in one merge a layer: a join copies the batch's KV
+        and runs a few small ops a layer, so rows that arrive together join in one go."""
+        if not self.rows and len(rows) == 1:
+            self._caches, self._batched = caches[0], False
+        elif not self._batched:
+            self._caches, self._batched = merged([self._caches, *caches] if self.rows else caches), True
         else:
-            for a, new in zip(self._caches, layers):
-                a.extend(type(new[0]).merge(list(new)))
-        tokens = mx.array([first for _, _, first in joining], dtype=mx.int32)
+            for a, new in zip(self._caches, merged(caches)):
+                a.extend(new)
+        self._add(rows, firsts)
+
+    def join_batch(self, rows: list[Row], caches: list[Any], firsts: list[int]) -> None:
+        """Add rows whose layer caches are one batch already, in their order (:func:`batch_rows`)."""
+        if not self.rows:
+            self._caches = caches
+        else:
+            if not self._batched:
+                self._caches = merged([self._caches])
+            for a, new in zip(self._caches, caches):
+                a.extend(new)
+        self._batched = True
+        self._add(rows, firsts)
+
+    def _add(self, rows: list[Row], firsts: list[int]) -> None:
+        tokens = mx.array(firsts, dtype=mx.int32)
         keys = mx.stack([row.sampler.key for row in rows])
         self._inputs = tokens if self._inputs is None else mx.concatenate([self._inputs, tokens])
         self._keys = keys if self._keys is None else mx.concatenate([self._keys, keys])
@@ -207,6 +217,32 @@ class DecodeGroup:
             out.append((row, Step(token=token, logprob=values[1][i], top_logprobs=top,
                                   cached_tokens=cached)))
         return out
+
+
+def merged(caches: list[list[Any]]) -> list[Any]:
+    """Rows' own layer caches as one batch cache a layer, rows right-aligned (mlx-lm's ``merge``:
+    every row copied into a new buffer)."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+
+
+def batch_rows(caches: list[KVCache], rows: list[int], ends: list[int]) -> list[BatchKVCache]:
+    """Rows ``rows`` of a batch's plain KV caches (one forward pass read them together), the first
+    ``ends[i]`` positions of each, as batch caches right-aligned as :func:`merged` makes them: the
+    batch's own buffers where the rows are all of it, in order, and end together, else one gather
+    and one roll a layer, where merging the rows' copies back costs two ops a row."""
+    n, longest = len(rows), max(ends)
+    index = None if rows == list(range(caches[0].keys.shape[0])) else mx.array(rows)
+    out = []
+    for c in caches:
+        keys, values = c.keys[..., :longest, :], c.values[..., :longest, :]
+        if index is not None:
+            keys, values = keys[index], values[index]
+        b = BatchKVCache([0] * n)
+        b.state = keys, values, mx.array([longest] * n), mx.array([0] * n), longest
+        b.prepare(right_padding=[longest - end for end in ends])  # rolled right by finalize
+        b.finalize()
+        out.append(b)
+    return out
 
 
 def kv_copy(keys: mx.array, values: mx.array, now: bool = True) -> KVCache:
