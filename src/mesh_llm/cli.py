@@ -100,7 +100,8 @@ def serve(
                                        "request's tokens and logprobs are bit for bit the same alone, "
                                        "batched or resumed from the prompt cache (bfloat16 KV cells: "
                                        "decode up to 1.6x and long prompts 2x slower)."),
-    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    log_level: str = typer.Option("info", envvar="MESH_LLM_LOG_LEVEL", help="debug (each engine step), "
+                                  "info, warning or error."),
     mesh: bool = typer.Option(False, "--mesh", help="Start a mesh with a fresh random token and print "
                               "the command that joins it.", rich_help_panel="Mesh"),
     mesh_token: Optional[str] = typer.Option(None, help="The mesh's shared secret (or MESH_LLM_MESH_TOKEN): "

@@ -176,3 +176,21 @@ def _slowed(step):
         time.sleep(0.05)  # past the 1 ms dump limit, so faulthandler fires during the step
         return step(budget)
     return slow
+
+
+def test_a_worker_hands_the_gil_over_often_and_logs_each_step_at_debug_level(worker, caplog):
+    """A worker thread holds the GIL while it builds a step, and the HTTP event loop waits for it at
+    every wake for up to the interpreter's switch interval: a running worker lowers it from Python's
+    5 ms. At debug level each admission and each step is logged, a run's timeline."""
+    import sys
+
+    from mesh_llm.runtime.worker import SWITCH_INTERVAL_S
+
+    assert SWITCH_INTERVAL_S < 0.005 and sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+    c = Collector()
+    with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
+        worker.submit(request(worker, "Count to three:", max_tokens=3, ignore_eos=True), c)
+        assert c.final.finish_reason == "length"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("prompt admitted after" in m for m in messages), messages
+    assert sum(" decoding, " in m and "ms, budget" in m for m in messages) >= 3, messages

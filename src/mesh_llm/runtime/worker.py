@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +45,12 @@ SLOW_STEP_S = 1.0  # an engine step longer than this is logged: every stream sto
 # MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
 # (faulthandler), to find what a stall waits on
 STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
+# A worker thread holds the GIL while it builds a step's graph (MLX's op calls keep it), so every
+# other thread of the process, the HTTP event loop included, waits up to the interpreter's switch
+# interval for it each time it wakes from I/O: 5 ms by default, for every socket read and write. A
+# thread woken while another builds MLX graphs on this CPU overshot by 6.5 ms (median) at 5 ms and
+# 0.7 ms at 0.5 ms (README, "Continuous batching"). MESH_LLM_SWITCH_INTERVAL_MS: another value.
+SWITCH_INTERVAL_S = float(os.environ.get("MESH_LLM_SWITCH_INTERVAL_MS") or 0.5) / 1000
 
 
 class QueueFull(Exception):
@@ -171,6 +178,7 @@ class ModelWorker:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -295,6 +303,8 @@ class ModelWorker:
                 continue
             self._pending.popleft()
             self._active[seq] = _Sequence(job, engine.tokenizer)
+            log.debug("%s: a %d-token prompt admitted after %.1f ms in the queue", self.name,
+                      len(req.prompt), 1000 * (time.perf_counter() - job.submitted))
 
     def _step(self) -> None:
         decoding = any(s.first_at is not None for s in self._active.values())
@@ -316,6 +326,10 @@ class ModelWorker:
             if STALL_DUMP_S:
                 faulthandler.cancel_dump_traceback_later()
         now = time.perf_counter()
+        if log.isEnabledFor(logging.DEBUG):
+            reading = sum(s.first_at is None for s in self._active.values())
+            log.debug("%s: step %.1f ms, budget %d: %d reading, %d decoding, %d tokens out", self.name,
+                      1000 * (now - started), budget, reading, len(self._active) - reading, len(outputs))
         if now - started > SLOW_STEP_S:
             reading = sum(s.first_at is None for s in self._active.values())
             log.warning("%s: one engine step took %.1f s (%d sequences reading their prompts, %d "
