@@ -51,6 +51,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
 #      or carry [".device/b", ".device/prev", ".device/x"]  newcomers-ab  # 8 newcomers, this tree against a copy
+#      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
 #      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
@@ -439,11 +440,12 @@ conc-ab)  # carry [".device/b"], or [".device/x"] on a machine where host ran: m
   mlx_env
   mkdir -p "$conc"
   var=${AB_VAR:-MESH_LLM_FUSED_PROJECTIONS}
+  n=0
   for t in ${ORDER:-1 0}; do  # a value, or - for the variable unset (MLX's or mesh-llm's default)
-    echo "== $var=$t"
+    n=$((n + 1)); echo "== $var=$t ($n)"
     [ "$t" = - ] || export "$var=$t"
-    TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
-    [ "${SKIP_7B:-0}" = 1 ] || TAG=-ab$t RUNS=${RUNS:-2} run_conc qwen2.5-7b "${LEVELS_7B:-1}" mesh-mlx 70
+    TAG=-ab$t-$n RUNS=${RUNS:-2} run_conc qwen2.5-0.5b "${LEVELS_05:-1,8}" mesh-mlx 110
+    [ "${SKIP_7B:-0}" = 1 ] || TAG=-ab$t-$n RUNS=${RUNS:-2} run_conc qwen2.5-7b "${LEVELS_7B:-1}" mesh-mlx 70
     unset "$var"
   done
   for f in "$conc"/*-ab*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
@@ -560,6 +562,20 @@ newcomers-ab)  # carry [".device/b", ".device/prev", ".device/x"], after stage-m
     PYTHONPATH=$code:/tmp/site timeout 100 python3 benchmarks/scheduler_rounds.py "$m" --streams 1,8 \
       --rounds 3 2>&1 | grep "^|" | tee "$OUT/rounds-$t$n.txt" || true
   done
+  ;;
+http-gil)  # carry [".device/elf"] (py-spy), then [".device/b"], after stage-mlx: `mesh-llm bench
+  # --concurrency` on mesh-mlx (0.5B, LEVELS_05, default 8 streams) sampled by py-spy in the bench and
+  # the server it starts: --gil keeps only the thread holding the GIL, --threads names it (the worker's,
+  # the event loop's), so the samples say how the server's GIL time splits (benchmarks/gil_share.py)
+  mlx_env
+  wait_model qwen2.5-0.5b
+  mkdir -p "$conc"
+  timeout 300 .device/elf/py-spy record -r 200 --gil --threads --subprocesses -f raw -o "$OUT/http-gil.txt" -- \
+    python3 -m mesh_llm bench --concurrency "${LEVELS_05:-8}" --model-pair "$(pair qwen2.5-0.5b)" \
+    --backends mesh-mlx --runs "${RUNS:-2}" --warmup 1 --max-tokens 256 --ctx-size 2048 --out "$conc/gil" \
+    > "$conc/gil.log" 2>&1 || true
+  sed -n '/concurrency: medians per level/,$p' "$conc/gil.log" | grep "│" || tail -5 "$conc/gil.log"
+  python3 benchmarks/gil_share.py "$OUT/http-gil.txt" | tee "$OUT/gil-share.txt"
   ;;
 warm-check)  # carry [".device/b"], after stage or stage-mlx: first requests of each prompt length
   # against second ones (benchmarks/gpu_mlx_warm.py) with the warm-up (the first run of a fresh machine

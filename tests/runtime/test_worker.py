@@ -178,15 +178,10 @@ def _slowed(step):
     return slow
 
 
-def test_a_worker_hands_the_gil_over_often_and_logs_each_step_at_debug_level(worker, caplog):
-    """A worker thread holds the GIL while it builds a step, and the HTTP event loop waits for it at
-    every wake for up to the interpreter's switch interval: a running worker lowers it from Python's
-    5 ms. At debug level each admission and each step is logged, a run's timeline."""
-    import sys
-
-    from mesh_llm.runtime.worker import SWITCH_INTERVAL_S
-
-    assert SWITCH_INTERVAL_S < 0.005 and sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+def test_each_admission_and_step_is_logged_at_debug_level(worker, caplog):
+    """At debug level the worker logs how long each prompt waited in the queue and each step's time,
+    budget and sequences: a run's timeline (``MESH_LLM_LOG_LEVEL=debug`` for a server the bench
+    starts)."""
     c = Collector()
     with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
         worker.submit(request(worker, "Count to three:", max_tokens=3, ignore_eos=True), c)

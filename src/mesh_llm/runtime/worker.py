@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -45,12 +44,6 @@ SLOW_STEP_S = 1.0  # an engine step longer than this is logged: every stream sto
 # MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
 # (faulthandler), to find what a stall waits on
 STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
-# A worker thread holds the GIL while it builds a step's graph (MLX's op calls keep it), so every
-# other thread of the process, the HTTP event loop included, waits up to the interpreter's switch
-# interval for it each time it wakes from I/O: 5 ms by default, for every socket read and write. A
-# thread woken while another builds MLX graphs on this CPU overshot by 6.5 ms (median) at 5 ms and
-# 0.7 ms at 0.5 ms (README, "Continuous batching"). MESH_LLM_SWITCH_INTERVAL_MS: another value.
-SWITCH_INTERVAL_S = float(os.environ.get("MESH_LLM_SWITCH_INTERVAL_MS") or 0.5) / 1000
 
 
 class QueueFull(Exception):
@@ -178,7 +171,6 @@ class ModelWorker:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
