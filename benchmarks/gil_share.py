@@ -17,21 +17,25 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-KINDS = (  # the first pattern a stack (its thread's name first) matches names its thread
-    ("worker", re.compile(r"^thread \(\d+\): worker-|worker\.py\)")),
-    ("event loop", re.compile(r"base_events\.py|uvicorn|starlette|fastapi")),
+KINDS = (  # the first pattern a stack (its thread's name first) matches names its thread's work
+    ("worker: engine steps", re.compile(r"_step \(mesh_llm/runtime/worker\.py")),
+    ("worker: load and warm-up", re.compile(r"^thread \(\d+\): worker-|worker\.py\)")),
+    ("event loop", re.compile(r"uvicorn/server\.py|base_events\.py")),
     ("bench client", re.compile(r"bench/(concurrency|measure)\.py")),
 )
 
 
 def parse(path: Path):
-    """(process, thread, frames, count) for each line of a raw recording."""
+    """(process, thread, frames, count) for each line of a raw recording; a subprocess's stacks sit
+    under its parent's process frame, so the last process frame names the process."""
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        process = frames.pop(0) if frames and frames[0].startswith("process ") else "process"
+        cut = max((i for i, f in enumerate(frames) if f.startswith("process ")), default=-1)
+        process = frames[cut] if cut >= 0 else "process"
+        frames = frames[cut + 1:]
         thread = frames.pop(0) if frames and frames[0].startswith("thread ") else "thread"
         yield process, thread, frames, int(count)
 
@@ -60,7 +64,7 @@ def main() -> None:
         print(f"\n{names[process]}: {total} samples holding the GIL")
         for k, n in kinds.most_common():
             print(f"  {k}: {n} ({100 * n / total:.0f}%)")
-        for k in ("worker", "event loop"):
+        for k in ("worker: engine steps", "event loop"):
             if kinds[k]:
                 print(f"  {k}, frames most samples pass through:")
                 for frame, n in through[process, k].most_common(args.top):
