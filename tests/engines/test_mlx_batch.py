@@ -487,6 +487,29 @@ def test_rows_read_together_stay_one_batch_through_chunks_joins_and_a_leave(smol
     engine.close()
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_as_alone(smollm, seed):
+    """The GPU's reading and stepping on this CPU (chunks read together, each step queued before the
+    last is read) under a random load: ten prompts of 5-100 tokens, half of them starting with the
+    same 40 (resumed from a stored or running prefix), arriving over seven steps, a prompt budget of
+    96 tokens a step (three chunks), two sequences removed at random steps, mid-prompt or
+    mid-answer. Every other sequence answers as it does alone (logprobs within TOLERANCE; a token may
+    part only at a near-tie)."""
+    rng = random.Random(seed)
+    engine = sibling(smollm, pipelined=True, together=True, cache_bytes=1 << 30, max_batch=10)
+    vocab = engine.tokenizer.vocab_size
+    document = [rng.randrange(vocab) for _ in range(40)]  # half the prompts start with it
+    cases = [Case(document[:40 * (i % 2)] + [rng.randrange(vocab) for _ in range(rng.randint(5, 60))],
+                  greedy(), rng.randint(3, 8), rng.randint(0, 6)) for i in range(10)]
+    leaving = rng.sample(range(10), 2)
+    batched = run_batched(engine, cases, budget=96, leave={i: rng.randint(0, 4) for i in leaving})
+    for i, case in enumerate(cases):
+        if i not in leaving:
+            compare(run_alone(smollm, case), batched[i], TOLERANCE)
+    assert not engine._seqs and not engine._reading  # noqa: SLF001 - every row left
+    engine.close()
+
+
 def test_warm_up_leaves_nothing_behind_and_changes_no_output(smollm):
     """The warm-up (on by default on a GPU, where it compiles and plans serving's shapes before the
     first request) holds no sequence and stores no prompt afterwards, and a request after it decodes

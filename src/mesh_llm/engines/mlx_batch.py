@@ -245,13 +245,11 @@ def batch_rows(caches: list[KVCache], rows: list[int], ends: list[int]) -> list[
     return out
 
 
-def kv_copy(keys: mx.array, values: mx.array, now: bool = True) -> KVCache:
+def kv_copy(keys: mx.array, values: mx.array) -> KVCache:
     """A plain KV cache owning a copy of ``keys`` and ``values``, evaluated now so that it keeps no
-    reference to the buffer it was cut from, which that buffer's owner then updates in place.
-    ``now=False`` only queues the copy, for a source nothing writes again."""
+    reference to the buffer it was cut from, which that buffer's owner then updates in place."""
     cache = KVCache()
     cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
     cache.offset = keys.shape[2]
-    if now:
-        mx.eval(cache.keys, cache.values)
+    mx.eval(cache.keys, cache.values)
     return cache

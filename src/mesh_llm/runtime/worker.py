@@ -318,12 +318,12 @@ class ModelWorker:
             if STALL_DUMP_S:
                 faulthandler.cancel_dump_traceback_later()
         now = time.perf_counter()
-        if log.isEnabledFor(logging.DEBUG):
+        slow = now - started > SLOW_STEP_S
+        if slow or log.isEnabledFor(logging.DEBUG):
             reading = sum(s.first_at is None for s in self._active.values())
             log.debug("%s: step %.1f ms, budget %d: %d reading, %d decoding, %d tokens out", self.name,
                       1000 * (now - started), budget, reading, len(self._active) - reading, len(outputs))
-        if now - started > SLOW_STEP_S:
-            reading = sum(s.first_at is None for s in self._active.values())
+        if slow:
             log.warning("%s: one engine step took %.1f s (%d sequences reading their prompts, %d "
                         "decoding)", self.name, now - started, reading, len(self._active) - reading)
         for seq, step in outputs:
