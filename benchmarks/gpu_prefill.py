@@ -9,8 +9,9 @@ wall time, the summed GPU kernel time and the largest kernels (PyTorch's profile
 kernels through CUPTI), and tokens/s against 2 x parameters FLOPs per token. Before it, ``warm_up()``
 run twice more (the load ran it on a GPU); after it, eight 640-token prompts added at once to the
 engine, stepped with a prompt budget of 8,192 (the worker's while nothing decodes) and 2,048 tokens
-(while streams decode) until each has its first token: ``--attempts`` times each, then once under
-the profiler, which also sums the host's CUDA calls. ``--newcomers-only`` skips the reads' table.
+(while streams decode) until each has its first token, then removed one by one (each removal
+timed): ``--attempts`` times each, then once under the profiler, which also sums the host's CUDA
+calls. ``--newcomers-only`` skips the reads' table.
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ def main() -> None:
     attempt = 0
     for budget in (8192, 2048):
         for profiled in [False] * args.attempts + [True]:
-            steps, first, gpu = newcomers(engine, vocab, budget, attempt, profiled)
+            steps, first, gpu, leaves = newcomers(engine, vocab, budget, attempt, profiled)
             attempt += 1
             ms = ", ".join(f"{x:.0f}" for x in steps)
             line = (f"8 x 640 added at once, {budget} prompt tokens a step: first tokens after "
-                    f"{min(first):.0f}-{max(first):.0f} ms, steps (ms): {ms}")
+                    f"{min(first):.0f}-{max(first):.0f} ms, steps (ms): {ms}; removals (ms): "
+                    + ", ".join(f"{x:.1f}" for x in leaves))
             if gpu:
                 line += (f"; GPU kernels {gpu['gpu_ms']:.1f} ms ({gpu['kernels']}): {named(gpu['top'])}"
                          f"; CUDA calls {gpu['api_ms']:.1f} ms: {named(gpu['api_top'])}")
@@ -104,10 +106,13 @@ def reads(model, params: int, vocab: int, repeats: int) -> None:
 
 
 def newcomers(engine: MLXEngine, vocab: int, budget: int, attempt: int, profiled: bool):
-    """Eight 640-token prompts added at once and stepped until each has its first token: each
-    step's wall ms, each first token's ms, and (``profiled``) the kernels the steps ran."""
+    """Eight 640-token prompts added at once and stepped until each has its first token, then
+    removed: each step's wall ms, each first token's ms, (``profiled``) the kernels the steps and
+    removals ran, and each removal's ms."""
     greedy = SamplingParams(temperature=0.0)
     prompts = [[(7 * i + 13 * j + attempt) % vocab for j in range(640)] for i in range(8)]
+
+    leaves: list[float] = []  # each removal's ms, the rows still decoding (a stream that ends)
 
     def run():
         t, first, steps = time.perf_counter(), {}, []
@@ -119,7 +124,9 @@ def newcomers(engine: MLXEngine, vocab: int, budget: int, attempt: int, profiled
                 first.setdefault(seq, 1000 * (time.perf_counter() - t))
             steps.append(1000 * (time.perf_counter() - s))
         for i in range(8):
+            s = time.perf_counter()
             engine.remove(i)
+            leaves.append(1000 * (time.perf_counter() - s))
         return steps, list(first.values())
 
     try:
@@ -127,10 +134,10 @@ def newcomers(engine: MLXEngine, vocab: int, budget: int, attempt: int, profiled
     except ImportError:
         profiled = False
     if not profiled:
-        return (*run(), None)
+        return (*run(), None, leaves)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         steps, first = run()
-    return steps, first, kernel_times(prof)
+    return steps, first, kernel_times(prof), leaves
 
 
 if __name__ == "__main__":

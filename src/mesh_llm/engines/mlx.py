@@ -47,7 +47,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, kv_copy
+from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, kv_copies
 from mesh_llm.engines.mlx_compiled import CompiledDecode
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
@@ -288,7 +288,7 @@ class MLXEngine(Engine):
             self._reading.remove(s)
             state, held, s.cache = s.cache, s.read, None
             if s.shared is not None and state is not None:  # views would hold the whole batch
-                state = [_kv_prefix(c, held) for c in state]
+                state = _kv_prefixes(state, held)
         else:
             state, held = s.group.leave(s), s.fed
             if not s.group:
@@ -500,7 +500,7 @@ class MLXEngine(Engine):
             cache, reused = self._prompts.lookup(s.prompt, live, least=self._least_reuse)
             if cache is None and reused:
                 cache = (source.group.prefix(source, reused) if source.group is not None
-                         else [_kv_prefix(c, reused) for c in source.cache])
+                         else _kv_prefixes(source.cache, reused))
             if reused:
                 log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(s.prompt))
         s.cache = cache if cache is not None else make_prompt_cache(self._model)
@@ -596,8 +596,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _kv_prefix(c: Any, n: int) -> Any:
-    return kv_copy(c.keys[..., :n, :], c.values[..., :n, :])
+def _kv_prefixes(caches: list[Any], n: int) -> list[KVCache]:
+    return kv_copies([(c.keys[..., :n, :], c.values[..., :n, :]) for c in caches])
 
 
 def _kv_view(c: KVCache, row: int, n: int) -> KVCache:
