@@ -8,8 +8,8 @@ RotatingKVCache -> BatchRotatingKVCache; ArraysCache and CacheList batch themsel
 are appended (``extend``). Rows whose prompts were read in one forward pass join from that pass's
 batch as it is (:func:`batch_rows`). Rows of different lengths are right-aligned: a short row is
 left-padded to the longest and the padding masked, so the batch's KV takes rows x the longest row.
-A row that leaves is cut out: ``extract`` gives back its own caches (for the prompt cache) and
-``filter`` drops it. A join or a leave copies the batch's KV once.
+A row that leaves is cut out (:func:`_cut`: mlx-lm's ``extract`` and ``filter``), its own caches
+given back for the prompt cache. A join or a leave copies the batch's KV once.
 
 A step is :meth:`DecodeGroup.launch` (the forward pass and the sampling of unconstrained rows, queued),
 :meth:`DecodeGroup.finish` (constrained rows, once their previous token is known) and
