@@ -50,7 +50,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
 #                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
-#      or carry [".device/b", ".device/prev", ".device/x"]  newcomers-ab  # 8 newcomers, this tree against a copy
+#      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
 #      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
@@ -546,7 +546,7 @@ newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams
   timeout 120 python3 benchmarks/scheduler_rounds.py "$m" --streams 8 --rounds 3 --profile 2>&1 \
     | tee "$OUT/newcomers-profile.txt" | grep -v "^$" | cut -c1-160 | tail -75 || true
   ;;
-newcomers-ab)  # carry [".device/b", ".device/prev", ".device/x"], after stage-mlx: eight newcomers with
+newcomers-ab)  # carry [".device/b"] (".device/prev" carried by a call of its own first), after stage-mlx: eight newcomers with
   # this tree's code and with .device/prev/src's (a copy of src/ before one change), in the order
   # ORDER gives: the engine alone (gpu_prefill.py --newcomers-only, steps and CUDA calls profiled),
   # then rounds of 1 and 8 through the scheduler (scheduler_rounds.py)
