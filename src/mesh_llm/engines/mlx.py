@@ -47,7 +47,7 @@ from mesh_llm.engines.base import (
     Tokenizer,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, kv_copies
+from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
 from mesh_llm.engines.mlx_compiled import CompiledDecode
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
@@ -443,10 +443,7 @@ class MLXEngine(Engine):
         for layer in range(len(rows[0][0].cache)):
             c = KVCache()
             if last is not None:
-                old, index = last[0][layer], last[1]
-                c.keys, c.values = old.keys[..., :start, :], old.values[..., :start, :]
-                if index is not None:
-                    c.keys, c.values = c.keys[index], c.values[index]
+                c.keys, c.values = first_positions(last[0][layer], last[1], start)
             elif start:
                 c.keys = mx.concatenate([s.cache[layer].keys[..., :start, :] for s, _ in rows])
                 c.values = mx.concatenate([s.cache[layer].values[..., :start, :] for s, _ in rows])
@@ -613,5 +610,5 @@ def _last_pass(seqs: list[_Sequence]) -> tuple[list[KVCache], mx.array | None] |
     their rows in it (None: all its rows, in order), or None if they were not all read there."""
     if not seqs or any(s.shared is None or s.shared[0] is not seqs[0].shared[0] for s in seqs):
         return None
-    batch, rows = seqs[0].shared[0], [s.shared[1] for s in seqs]
-    return batch, None if rows == list(range(batch[0].keys.shape[0])) else mx.array(rows)
+    batch = seqs[0].shared[0]
+    return batch, row_index([s.shared[1] for s in seqs], batch[0].keys.shape[0])

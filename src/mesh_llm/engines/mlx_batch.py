@@ -122,13 +122,13 @@ class DecodeGroup:
         """Remove a row; returns its own layer caches (holding its first ``row.fed`` tokens)."""
         i = self.rows.index(row)
         keep = [j for j in range(len(self.rows)) if j != i]
+        index = mx.array(keep) if keep else None
         if not self._batched:
             own, self._caches = self._caches, None
         else:
-            own = _cut(self._caches, i, keep)
+            own = _cut(self._caches, i, keep, index)
         self.rows.pop(i)
         if keep:
-            index = mx.array(keep)
             self._inputs, self._keys = self._inputs[index], self._keys[index]
         else:
             self._caches, self._batched, self._inputs, self._keys = None, False, None, None
@@ -227,18 +227,28 @@ def batch_rows(caches: list[KVCache], rows: list[int], ends: list[int]) -> list[
     batch's own buffers where the rows are all of it, in order, and end together, else one gather
     and one roll a layer, where merging the rows' copies back costs two ops a row."""
     n, longest = len(rows), max(ends)
-    index = None if rows == list(range(caches[0].keys.shape[0])) else mx.array(rows)
+    index = row_index(rows, caches[0].keys.shape[0])
     out = []
     for c in caches:
-        keys, values = c.keys[..., :longest, :], c.values[..., :longest, :]
-        if index is not None:
-            keys, values = keys[index], values[index]
+        keys, values = first_positions(c, index, longest)
         b = BatchKVCache([0] * n)
         b.state = keys, values, mx.array([longest] * n), mx.array([0] * n), longest
         b.prepare(right_padding=[longest - end for end in ends])  # rolled right by finalize
         b.finalize()
         out.append(b)
     return out
+
+
+def row_index(rows: list[int], size: int) -> mx.array | None:
+    """What takes rows ``rows`` out of a batch of ``size``: None where they are all of it, in order."""
+    return None if rows == list(range(size)) else mx.array(rows)
+
+
+def first_positions(c: KVCache, index: mx.array | None, n: int) -> tuple[mx.array, mx.array]:
+    """The keys and values of a batch's plain KV cache at its first ``n`` positions, in the rows
+    ``index`` takes (:func:`row_index`; None: all)."""
+    keys, values = c.keys[..., :n, :], c.values[..., :n, :]
+    return (keys, values) if index is None else (keys[index], values[index])
 
 
 def kv_copies(parts: list[tuple[mx.array, mx.array]]) -> list[KVCache]:
@@ -260,14 +270,14 @@ def _left_padding(caches: list[Any]) -> list[int]:
     return next(c.left_padding.tolist() for c in caches if type(c) is BatchKVCache)
 
 
-def _cut(caches: list[Any], row: int, keep: list[int]) -> list[Any]:
-    """Row ``row``'s own layer caches out of a batch's, the batch's left holding the rows ``keep``:
+def _cut(caches: list[Any], row: int, keep: list[int], index: mx.array | None) -> list[Any]:
+    """Row ``row``'s own layer caches out of a batch's, the batch's left holding the rows ``keep``
+    (``index``: the same as an array):
     mlx-lm's ``extract`` and ``filter``, with the padding read once for the plain KV layers (on the
     H200 a leave took 12-17 ms of 24 layers' waits, every other stream standing still)."""
     plain = [type(c) is BatchKVCache and c.keys is not None for c in caches]
     pads = _left_padding(caches) if any(plain) else []
     shift = min((pads[k] for k in keep), default=0) if pads else 0  # padding every row left has
-    index = mx.array(keep) if keep else None
     own = []
     for c, fast in zip(caches, plain):
         if not fast:
