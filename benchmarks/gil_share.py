@@ -17,6 +17,8 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from stacks import frame_name, samples  # benchmarks/, the script's own folder
+
 KINDS = (  # the first pattern a stack (its thread's name first) matches names its thread's work
     ("worker: engine steps", re.compile(r"_step \(mesh_llm/runtime/worker\.py")),
     ("worker: load and warm-up", re.compile(r"^thread \(\d+\): worker-|worker\.py\)")),
@@ -28,16 +30,12 @@ KINDS = (  # the first pattern a stack (its thread's name first) matches names i
 def parse(path: Path):
     """(process, thread, frames, count) for each line of a raw recording; a subprocess's stacks sit
     under its parent's process frame, so the last process frame names the process."""
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, count in samples(path):
         cut = max((i for i, f in enumerate(frames) if f.startswith("process ")), default=-1)
         process = frames[cut] if cut >= 0 else "process"
         frames = frames[cut + 1:]
         thread = frames.pop(0) if frames and frames[0].startswith("thread ") else "thread"
-        yield process, thread, frames, int(count)
+        yield process, thread, frames, count
 
 
 def kind(thread: str, frames: list[str]) -> str:
@@ -56,7 +54,7 @@ def main() -> None:
     for process, thread, frames, count in parse(args.stacks):
         k = kind(thread, frames)
         samples[process][k] += count
-        for frame in {re.sub(r":\d+\)$", ")", f.strip()) for f in frames}:
+        for frame in {frame_name(f) for f in frames}:
             through[process, k][frame] += count
         names.setdefault(process, process[:120])
     for process, kinds in sorted(samples.items(), key=lambda p: -sum(p[1].values())):

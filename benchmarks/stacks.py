@@ -21,6 +21,14 @@ def frame_name(frame: str) -> str:
     return re.sub(r":\d+\)$", ")", frame.strip())
 
 
+def samples(path: Path):
+    """``(frames, count)`` for each line of a ``py-spy record -f raw`` file."""
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("stacks", type=Path)
@@ -29,12 +37,10 @@ def main() -> None:
     args = parser.parse_args()
     within = re.compile(args.within)
     leaf, through, total = Counter(), Counter(), 0
-    for line in args.stacks.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit() or not within.search(stack):
+    for raw, n in samples(args.stacks):
+        if not within.search(";".join(raw)):
             continue
-        frames = [frame_name(f) for f in stack.split(";")]
-        n = int(count)
+        frames = [frame_name(f) for f in raw]
         total += n
         leaf[frames[-1]] += n
         for f in set(frames):
