@@ -89,6 +89,9 @@ def serve(
     max_queue: int = typer.Option(64, help="Requests that may wait per model before 429."),
     max_batch: Optional[int] = typer.Option(None, help="Sequences decoded together per model "
                                             "(default: chosen from the device and its memory)."),
+    prefill_step: Optional[int] = typer.Option(None, envvar="MESH_LLM_PREFILL_STEP", help="Most prompt "
+                                               "tokens of one sequence read in one forward pass "
+                                               "(default 512)."),
     cache_bytes: Optional[str] = typer.Option(None, help="Prompt cache size per model: bytes, or "
                                               "512M, 2G; 0 turns it off. Default: a quarter of the "
                                               "memory free after loading, at most 16G."),
@@ -140,6 +143,8 @@ def serve(
         raise fail("--quantize must be 4 or 8")
     if max_batch is not None and max_batch < 1:
         raise fail("--max-batch must be at least 1")
+    if prefill_step is not None and prefill_step < 16:
+        raise fail("--prefill-step must be at least 16")
     try:
         cache_size = None if cache_bytes is None else parse_bytes(cache_bytes)
     except ValueError:
@@ -151,7 +156,8 @@ def serve(
                                     first_byte_timeout, tls_ca, stream_idle_timeout)
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
-                         max_queue=max_queue, max_batch=max_batch, cache_bytes=cache_size,
+                         max_queue=max_queue, max_batch=max_batch, prefill_step=prefill_step,
+                         cache_bytes=cache_size,
                          cache_entries=cache_entries, warm_up=warm_up, deterministic=deterministic,
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:

@@ -42,6 +42,7 @@ class ServeConfig:
     threads: int | None = None
     max_queue: int = 64
     max_batch: int | None = None  # sequences decoded together; None: the engine's choice
+    prefill_step: int | None = None  # prompt tokens a sequence reads per pass; None: EngineOptions'
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
     cache_entries: int = 64
@@ -107,7 +108,8 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
     options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads,
                             cache_bytes=config.cache_bytes, cache_entries=config.cache_entries,
                             max_batch=config.max_batch, warm_up=config.warm_up,
-                            deterministic=config.deterministic)
+                            deterministic=config.deterministic,
+                            prefill_step=config.prefill_step or EngineOptions.prefill_step)
     workers = []
     for plan in plans:
         cls = engine_class(plan.engine)

@@ -64,10 +64,12 @@ def test_llama_engine_on_safetensors_says_how_to_convert(tmp_path):
     assert "convert" in one_error_line(result)
 
 
-@pytest.mark.parametrize("flag", [["--engine", "tensorrt"], ["--quantize", "3"]])
+@pytest.mark.parametrize("flag", [["--engine", "tensorrt"], ["--quantize", "3"], ["--max-batch", "0"],
+                                  ["--prefill-step", "8"]])
 def test_bad_flag_values(flag):
     result = mesh("serve", *flag, "--port", str(free_port()))
     assert result.returncode == 2
+    assert flag[0] in one_error_line(result)
 
 
 def test_models_list_shows_the_default():

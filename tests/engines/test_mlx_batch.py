@@ -68,32 +68,35 @@ def smollm():
     engine.close()
 
 
-def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, **options):
+def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, keep_slots=None,
+            **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
-    reading the last, ``together``: read chunks that start at the same position in one pass, and
-    ``traced``: decode through the compiled step (engines/mlx_compiled.py), as on a GPU (the defaults
-    there), and ``bucket``: prompt chunks padded and their keys read in steps (mlx_attention), to
-    check those paths on this CPU."""
+    reading the last, ``together``: read chunks that start at the same position in one pass,
+    ``keep_slots``: rows that leave the decode batch leave their slots (the defaults on a GPU), and
+    ``traced``: decode through the compiled step (engines/mlx_compiled.py), and ``bucket``: prompt
+    chunks padded and their keys read in steps (mlx_attention), to check those paths on this CPU."""
     if traced or bucket:
         from mesh_llm.engines import mlx_attention
 
         assert mlx_attention.install(engine._model, traced=traced, in_steps=bool(bucket))
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
                      EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined,
-                     together=together, traced=traced, bucket=bucket)
+                     together=together, traced=traced, bucket=bucket, keep_slots=keep_slots)
 
 
 class CountingModel:
     """A model that records the rows and width of every pass over more than one position (prompt
-    chunks)."""
+    chunks), and the rows of every decode step."""
 
     def __init__(self, model):
-        self.model, self.chunk_rows, self.chunk_widths = model, [], []
+        self.model, self.chunk_rows, self.chunk_widths, self.decode_rows = model, [], [], []
 
     def __call__(self, inputs, cache=None):
         if inputs.shape[1] > 1:
             self.chunk_rows.append(inputs.shape[0])
             self.chunk_widths.append(inputs.shape[1])
+        else:
+            self.decode_rows.append(inputs.shape[0])
         return self.model(inputs, cache=cache)
 
     def __getattr__(self, name):
@@ -487,16 +490,46 @@ def test_rows_read_together_stay_one_batch_through_chunks_joins_and_a_leave(smol
     engine.close()
 
 
+def test_rows_that_leave_keep_their_slots_for_newcomers_until_half_are_empty(smollm):
+    """The GPU's default. Six rows decode; two leave and the batch keeps its six slots; two
+    newcomers shorter than the batch fill them in place, a longer one is appended (7); a row that
+    leaves gives its slot to a newcomer resuming from the prefix the first row to leave left to the
+    prompt cache; the
+    longest row leaving lets the batch shrink (6), and then it shrinks only once half its slots are
+    empty (3, 1). Each sequence answers as it does alone."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, pipelined=True, together=True, keep_slots=True, model=model,
+                     cache_bytes=1 << 30, max_batch=8)
+    del model.decode_rows[:]  # the engine's one-token measure of its KV footprint
+    vocab = engine.tokenizer.vocab_size
+    cases = [Case([(7 * i + 13 * j + 3) % vocab for j in range(60)], greedy(), n)
+             for i, n in enumerate([4, 6, 26, 28, 30, 34])]
+    cases += [Case([(5 * i + 11 * j) % vocab for j in range(20)], greedy(), n, start=9)
+              for i, n in enumerate([3, 12])]
+    cases.append(Case([(3 * j + 1) % vocab for j in range(120)], greedy(), 6, start=9))
+    cases.append(Case(cases[0].prompt + [4, 5, 6], greedy(), 6, start=14))  # resumes from row 0's state
+    batched = run_batched(engine, cases, budget=4096)
+    same_as_alone(cases, [run_alone(smollm, c) for c in cases], [batched[i] for i in range(len(cases))])
+    assert batched[9][0].cached_tokens == 60  # all it shares with row 0, whose slot was kept
+    sizes = [n for k, n in enumerate(model.decode_rows) if k == 0 or n != model.decode_rows[k - 1]]
+    assert sizes == [6, 7, 6, 3, 1], sizes
+    assert not engine._seqs and not engine._groups  # noqa: SLF001 - every row left
+    engine.close()
+
+
+@pytest.mark.parametrize("keep_slots", [False, True], ids=["cut", "slots-kept"])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_as_alone(smollm, seed):
+def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_as_alone(smollm, seed,
+                                                                                       keep_slots):
     """The GPU's reading and stepping on this CPU (chunks read together, each step queued before the
-    last is read) under a random load: ten prompts of 5-100 tokens, half of them starting with the
-    same 40 (resumed from a stored or running prefix), arriving over seven steps, a prompt budget of
-    96 tokens a step (three chunks), two sequences removed at random steps, mid-prompt or
-    mid-answer. Every other sequence answers as it does alone (logprobs within TOLERANCE; a token may
-    part only at a near-tie)."""
+    last is read, rows that leave cut out or leaving their slots) under a random load: ten prompts of
+    5-100 tokens, half of them starting with the same 40 (resumed from a stored or running prefix),
+    arriving over seven steps, a prompt budget of 96 tokens a step (three chunks), two sequences
+    removed at random steps, mid-prompt or mid-answer. Every other sequence answers as it does alone
+    (logprobs within TOLERANCE; a token may part only at a near-tie)."""
     rng = random.Random(seed)
-    engine = sibling(smollm, pipelined=True, together=True, cache_bytes=1 << 30, max_batch=10)
+    engine = sibling(smollm, pipelined=True, together=True, keep_slots=keep_slots, cache_bytes=1 << 30,
+                     max_batch=10)
     vocab = engine.tokenizer.vocab_size
     document = [rng.randrange(vocab) for _ in range(40)]  # half the prompts start with it
     cases = [Case(document[:40 * (i % 2)] + [rng.randrange(vocab) for _ in range(rng.randint(5, 60))],

@@ -111,7 +111,7 @@ class MLXEngine(Engine):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
-                 traced: bool = False, bucket: int = 0):
+                 traced: bool = False, bucket: int = 0, keep_slots: bool | None = None):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
@@ -122,7 +122,10 @@ class MLXEngine(Engine):
         and their attention reading keys in whole steps where routed
         (``mlx_attention.install(model, in_steps=True)``). On CUDA a chunk of a new width or key count
         rebuilds MLX's CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt on the H200:
-        benchmarks/GPU.md); with both bounded, prompts of any length make few shapes."""
+        benchmarks/GPU.md); with both bounded, prompts of any length make few shapes.
+        ``keep_slots``: a row that leaves the decode batch leaves its slot for newcomers
+        (``mlx_batch``; default: where pipelined, as on a GPU, whose step costs the same for one row
+        more; a CPU's grows with the rows)."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -131,6 +134,9 @@ class MLXEngine(Engine):
         self._details = details
         self._format = model_format
         self._pipelined = on_gpu() if pipelined is None else pipelined
+        if keep_slots is None:  # MESH_LLM_KEEP_SLOTS=0: cut every row out as it leaves, to compare
+            keep_slots = self._pipelined and os.environ.get("MESH_LLM_KEEP_SLOTS", "1") != "0"
+        self._keep_slots = keep_slots
         self._eos = np.zeros(self._vocab, dtype=bool)
         self._eos[[t for t in tokenizer.eos_token_ids if t < self._vocab]] = True
         self._seqs: dict[int, _Sequence] = {}
@@ -525,17 +531,20 @@ class MLXEngine(Engine):
             return
         for s in seqs:
             s.fed = len(s.prompt) - 1
+        joining = list(seqs)
         if self._unbatchable:
             for s in seqs:
-                s.group = DecodeGroup(self._model, self._vocab, self._eos, self._pipelined, self._compiled)
+                s.group = self._new_group()
                 self._groups.append(s.group)
                 s.group.join([s], [s.cache], [s.prompt[-1]])
                 s.cache = None
             return
         if not self._groups:
-            self._groups.append(DecodeGroup(self._model, self._vocab, self._eos, self._pipelined,
-                                            self._compiled))
+            self._groups.append(self._new_group())
         group, passes = self._groups[-1], {}
+        if group.vacancies >= len(seqs):  # each into a slot a row left, in place
+            group.join(seqs, [s.cache for s in seqs], [s.prompt[-1] for s in seqs])
+            seqs = []
         for s in seqs:
             if s.shared is not None:
                 passes.setdefault(id(s.shared[0]), []).append(s)
@@ -546,20 +555,25 @@ class MLXEngine(Engine):
         own = [s for s in seqs if s.shared is None or len(passes[id(s.shared[0])]) == 1]
         if own:
             group.join(own, [s.cache for s in own], [s.prompt[-1] for s in own])
-        for s in seqs:
+        for s in joining:
             s.group, s.cache, s.shared = group, None, None
+
+    def _new_group(self) -> DecodeGroup:
+        return DecodeGroup(self._model, self._vocab, self._eos, self._pipelined, self._compiled,
+                           keep_slots=self._keep_slots)
 
     # -- memory ----------------------------------------------------------------------------------
 
     def _reserved(self, seqs: list[_Sequence]) -> int:
         """KV bytes ``seqs`` may need at their longest, twice (a join or leave copies a batch once):
-        a batch holds every row as long as its longest."""
+        a batch holds every row, and every vacant slot, as long as its longest."""
         ends = [min(len(s.prompt) + s.max_tokens, self._context) for s in seqs]
         if not ends:
             return 0
         if self._unbatchable:
             return 2 * sum(self._footprint.bytes(n) for n in ends)
-        return 2 * len(ends) * self._footprint.bytes(max(ends))
+        rows = max(len(ends), sum(len(g.rows) for g in self._groups))  # vacant slots hold KV too
+        return 2 * rows * self._footprint.bytes(max(ends))
 
     def _default_max_batch(self) -> int:
         cap = MAX_BATCH_GPU if self._pipelined else MAX_BATCH_CPU

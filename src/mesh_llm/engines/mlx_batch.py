@@ -9,7 +9,11 @@ are appended (``extend``). Rows whose prompts were read in one forward pass join
 batch as it is (:func:`batch_rows`). Rows of different lengths are right-aligned: a short row is
 left-padded to the longest and the padding masked, so the batch's KV takes rows x the longest row.
 A row that leaves is cut out (:func:`_cut`: mlx-lm's ``extract`` and ``filter``), its own caches
-given back for the prompt cache. A join or a leave copies the batch's KV once.
+given back for the prompt cache. A join or a leave copies the batch's KV once. With ``keep_slots``
+(on a GPU) a row that leaves a batch of plain KV caches leaves its slot instead, stepped with the
+others and read by nobody, until newcomers fill it in place or half the slots are empty: the batch
+keeps its size, so MLX's CUDA graphs built for it serve on (a size not stepped before cost 15-50 ms
+of graph builds on the H200), and no leave copies the batch.
 
 A step is :meth:`DecodeGroup.launch` (the forward pass and the sampling of unconstrained rows, queued),
 :meth:`DecodeGroup.finish` (constrained rows, once their previous token is known) and
@@ -31,7 +35,7 @@ prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mesh_llm.engines.base import Step
+from mesh_llm.engines.base import SamplingParams, Step
 from mesh_llm.engines.mlx_compiled import CompiledDecode, traceable
 from mesh_llm.engines.mlx_sampling import (
     RowSettings,
@@ -55,6 +59,14 @@ class Row:
     alive: bool  # still held by the engine
 
 
+class _Vacant(Row):
+    """A slot a row left, kept in the batch: decoded greedily with the others, read by nobody."""
+
+    def __init__(self, vocab: int):
+        self.sampler = SequenceSampler(SamplingParams(temperature=0.0, seed=0), vocab)
+        self.tokens, self.fed, self.reused, self.first, self.alive = [], 0, 0, False, False
+
+
 @dataclass
 class Launch:
     """One queued forward pass of a group: its rows then, and what it sampled."""
@@ -71,10 +83,11 @@ class DecodeGroup:
     """Rows decoded in one forward pass: their layer caches, next inputs and PRNG keys."""
 
     def __init__(self, model, vocab: int, eos: np.ndarray, pipelined: bool,
-                 compiled: CompiledDecode | None = None):
+                 compiled: CompiledDecode | None = None, keep_slots: bool = False):
         self._model, self._vocab, self._eos, self._pipelined = model, vocab, eos, pipelined
         self._compiled = compiled  # the traced decode step, where the model's attention takes it
-        self.rows: list[Row] = []
+        self._keep_slots = keep_slots
+        self.rows: list[Row] = []  # a slot each, vacant ones included
         self.unread: Launch | None = None  # queued on a GPU, read at the next step
         self._caches: list[Any] | None = None
         self._batched = False  # the caches are mlx-lm's batch caches (else one row's own)
@@ -83,12 +96,22 @@ class DecodeGroup:
         self._settings: RowSettings | None = None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """The rows held (vacant slots not counted)."""
+        return len(self.rows) - self.vacancies
+
+    @property
+    def vacancies(self) -> int:
+        return sum(isinstance(r, _Vacant) for r in self.rows)
 
     def join(self, rows: list[Row], caches: list[list[Any]], firsts: list[int]) -> None:
         """Add rows whose own layer caches (``caches``, one list a row) hold their tokens but the
-        last, which each feeds next (``firsts``), in one merge a layer: a join copies the batch's KV
-        and runs a few small ops a layer, so rows that arrive together join in one go."""
+        last, which each feeds next (``firsts``): into vacant slots where they fit, the others in
+        one merge a layer (a join copies the batch's KV and runs a few small ops a layer, so rows
+        that arrive together join in one go)."""
+        if self.vacancies:
+            rows, caches, firsts = self._fill(rows, caches, firsts)
+            if not rows:
+                return
         if not self.rows and len(rows) == 1:
             self._caches, self._batched = caches[0], False
         elif not self._batched:
@@ -119,21 +142,64 @@ class DecodeGroup:
         self._settings = None
 
     def leave(self, row: Row) -> list[Any]:
-        """Remove a row; returns its own layer caches (holding its first ``row.fed`` tokens)."""
+        """Remove a row; returns its own layer caches (holding its first ``row.fed`` tokens). With
+        ``keep_slots`` its slot stays while more than half the slots hold rows and no vacant row is
+        longer than every row held (the batch never grows for a row nobody reads); else the row
+        and every vacant slot are cut out."""
         i = self.rows.index(row)
-        keep = [j for j in range(len(self.rows)) if j != i]
+        keep = [j for j, r in enumerate(self.rows) if j != i and not isinstance(r, _Vacant)]
+        self._settings = None
+        if self._slots_kept():
+            pads = _left_padding(self._caches)
+            vacant = [i] + [j for j, r in enumerate(self.rows) if isinstance(r, _Vacant)]
+            if 2 * len(keep) > len(self.rows) and min(pads[j] for j in vacant) >= min(pads[j] for j in keep):
+                self.rows[i] = _Vacant(self._vocab)
+                return kv_copies([_row_kv(c, i, pads[i]) for c in self._caches], wait=not self._pipelined)
         index = mx.array(keep) if keep else None
         if not self._batched:
             own, self._caches = self._caches, None
         else:
             own = _cut(self._caches, i, keep, index)
-        self.rows.pop(i)
+        self.rows = [self.rows[j] for j in keep]
         if keep:
             self._inputs, self._keys = self._inputs[index], self._keys[index]
         else:
             self._caches, self._batched, self._inputs, self._keys = None, False, None, None
-        self._settings = None
         return own
+
+    def _slots_kept(self) -> bool:
+        return (self._keep_slots and self._batched and
+                all(type(c) is BatchKVCache and c.keys is not None for c in self._caches))
+
+    def _fill(self, rows: list[Row], caches: list[list[Any]], firsts: list[int]):
+        """Put rows into vacant slots, in place, where their own plain KV caches fit the batch's
+        length: each row right-aligned as a merge would put it. Returns the rows left over, with
+        their caches and first tokens."""
+        if not self._slots_kept():
+            return rows, caches, firsts
+        size, pads = self._caches[0].size(), _left_padding(self._caches)
+        slots = [j for j, r in enumerate(self.rows) if isinstance(r, _Vacant)]
+        placed, left = [], ([], [], [])
+        for row, own, first in zip(rows, caches, firsts):
+            n = own[0].offset
+            if slots and all(type(c) is KVCache for c in own) and 0 < n <= size:
+                j = slots.pop(0)
+                for c, mine in zip(self._caches, own):
+                    c.keys[j:j + 1, :, size - n:size] = mine.keys[..., :n, :]
+                    c.values[j:j + 1, :, size - n:size] = mine.values[..., :n, :]
+                self.rows[j], pads[j] = row, size - n
+                placed.append((j, first, row.sampler.key))
+            else:
+                for part, value in zip(left, (row, own, first)):
+                    part.append(value)
+        if placed:
+            for c in self._caches:  # every plain layer holds the same padding (see _left_padding)
+                c.left_padding, c.offset = mx.array(pads), mx.array([size - p for p in pads])
+            where = [j for j, _, _ in placed]
+            self._inputs = _put(self._inputs, where, mx.array([f for _, f, _ in placed], dtype=mx.int32))
+            self._keys = _put(self._keys, where, mx.stack([k for _, _, k in placed]))
+            self._settings = None
+        return left
 
     def prefix(self, row: Row, n: int) -> list[KVCache]:
         """A copy of the KV of a row's first ``n`` tokens (models whose layers are all plain KV)."""
@@ -251,16 +317,16 @@ def first_positions(c: KVCache, index: mx.array | None, n: int) -> tuple[mx.arra
     return (keys, values) if index is None else (keys[index], values[index])
 
 
-def kv_copies(parts: list[tuple[mx.array, mx.array]]) -> list[KVCache]:
-    """Plain KV caches owning copies of each layer's ``(keys, values)``, evaluated now (in one go) so
-    that they keep no reference to the buffers they were cut from, which their owner then updates in
-    place."""
+def kv_copies(parts: list[tuple[mx.array, mx.array]], wait: bool = True) -> list[KVCache]:
+    """Plain KV caches owning copies of each layer's ``(keys, values)``, evaluated now (in one go;
+    ``wait=False``: queued) so that they keep no reference to the buffers they were cut from, which
+    their owner then updates in place."""
     caches = []
     for keys, values in parts:
         cache = KVCache()
         cache.keys, cache.values, cache.offset = mx.contiguous(keys), mx.contiguous(values), keys.shape[2]
         caches.append(cache)
-    mx.eval([a for c in caches for a in (c.keys, c.values)])
+    (mx.eval if wait else mx.async_eval)([a for c in caches for a in (c.keys, c.values)])
     return caches
 
 
@@ -268,6 +334,21 @@ def _left_padding(caches: list[Any]) -> list[int]:
     """The rows' left padding, read from the device once: every plain KV layer of a batch holds the
     same (mlx-lm's ``extract`` and ``filter`` read it in each layer, a wait for the device each)."""
     return next(c.left_padding.tolist() for c in caches if type(c) is BatchKVCache)
+
+
+def _row_kv(c: BatchKVCache, row: int, pad: int) -> tuple[mx.array, mx.array]:
+    """One row's keys and values in a batch cache, its left padding ``pad`` left out."""
+    size = c.size()
+    return c.keys[row:row + 1, :, pad:size], c.values[row:row + 1, :, pad:size]
+
+
+def _put(a: mx.array, rows: list[int], values: mx.array) -> mx.array:
+    """``a`` with its rows ``rows`` replaced by ``values``, as a new array: ``a`` may be a queued
+    step's output, which setting its items would change under the step's reader."""
+    taken, index = np.zeros(a.shape[0], dtype=bool), np.zeros(a.shape[0], dtype=np.int32)
+    taken[rows], index[rows] = True, np.arange(len(rows))
+    mask = mx.array(taken).reshape(-1, *[1] * (a.ndim - 1))
+    return mx.where(mask, values[mx.array(index)], a)
 
 
 def _cut(caches: list[Any], row: int, keep: list[int], index: mx.array | None) -> list[Any]:
@@ -286,10 +367,9 @@ def _cut(caches: list[Any], row: int, keep: list[int], index: mx.array | None) -
                 c.filter(keep)
             continue
         size = c.size()
+        keys, values = _row_kv(c, row, pads[row])
         out = KVCache()
-        out.keys = mx.contiguous(c.keys[row:row + 1, :, pads[row]:size])
-        out.values = mx.contiguous(c.values[row:row + 1, :, pads[row]:size])
-        out.offset = size - pads[row]
+        out.keys, out.values, out.offset = mx.contiguous(keys), mx.contiguous(values), size - pads[row]
         own.append(out)
         if keep:
             c.state = (c.keys[index][..., shift:, :], c.values[index][..., shift:, :], c.offset[index],
