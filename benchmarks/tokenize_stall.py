@@ -1,0 +1,106 @@
+"""How long a running stream stands still while another client's long prompt is tokenized.
+
+    .venv/bin/python benchmarks/tokenize_stall.py [--kb 600] [--rounds 3] [--against SRC] [--out FILE]
+
+A server on the MLX engine (the embedded SmolLM2 imported as a safetensors folder, so the Hugging
+Face tokenizer) streams a 160-token answer; halfway, another client sends a completion whose prompt
+is ``--kb`` KB of text (over the context once tokenized, so it is refused after tokenizing, as a
+too-long paste would be). Reports the stream's longest gap between two tokens against its median
+gap. ``--against SRC`` starts a second server on another ``src/`` folder (a copy from before a
+change) and alternates the two. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+from mesh_llm.bench.backends import Backend, Server, Settings
+from mesh_llm.bench.environment import describe
+from mesh_llm.models import default_mlx_folder
+
+
+def start(stack: ExitStack, name: str, folder: Path, logs: Path, pythonpath: Path | None) -> Server:
+    def argv(_model: Path, port: int, s: Settings) -> list[str]:
+        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={pythonpath}", sys.executable]
+        return [*python, "-m", "mesh_llm", "serve", "-m", str(folder), "--alias", "bench", "--engine", "mlx",
+                "--port", str(port)]
+
+    server = Server(Backend(name, "mlx", "ignore_eos", argv, model_id="bench"), folder,
+                    Settings(threads=2, ctx_size=8192, startup_timeout=600), logs / f"{name}.log")
+    server.start()
+    stack.callback(server.stop)
+    server.wait_ready()
+    return server
+
+
+def round_trip(server: Server, text: str) -> dict:
+    """One stream, and the long prompt sent once it has 40 tokens; the stream's token times."""
+    times: list[float] = []
+    sent = threading.Event()
+    refused: dict = {}
+
+    def paste() -> None:
+        sent.wait()
+        started = time.perf_counter()
+        reply = httpx.post(server.url + "/v1/completions", timeout=600,
+                           json={"model": "bench", "prompt": text, "max_tokens": 4})
+        refused.update(status=reply.status_code, seconds=time.perf_counter() - started)
+
+    other = threading.Thread(target=paste)
+    other.start()
+    body = {"model": "bench", "prompt": "Once upon a time", "max_tokens": 160, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as reply:
+        for line in reply.iter_lines():
+            if line.startswith('data: {"id"'):
+                times.append(time.perf_counter())
+                if len(times) == 40:
+                    sent.set()
+    sent.set()
+    other.join()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"longest_gap_ms": 1000 * max(gaps), "median_gap_ms": 1000 * statistics.median(gaps),
+            "paste_status": refused.get("status"), "paste_s": refused.get("seconds")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kb", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="a src/ folder to compare with, alternated")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="tokenize-stall-"))
+    sentence = "The quick brown fox jumps over the lazy dog; the compiler reads every token. "
+    text = sentence * (args.kb * 1000 // len(sentence))
+    results: dict[str, list[dict]] = {}
+    with ExitStack() as stack:
+        folder = default_mlx_folder()
+        servers = {"this": start(stack, "this", folder, logs, None)}
+        if args.against:
+            servers["against"] = start(stack, "against", folder, logs, args.against.resolve())
+        for r in range(args.rounds):
+            for name in list(servers)[::1 if r % 2 == 0 else -1]:
+                m = round_trip(servers[name], text)
+                results.setdefault(name, []).append(m)
+                print(f"round {r + 1} {name:8} longest gap {m['longest_gap_ms']:6.0f} ms, median "
+                      f"{m['median_gap_ms']:5.0f} ms; the paste: {m['paste_status']} after "
+                      f"{m['paste_s']:.2f} s", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                        "environment": describe(None), "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
