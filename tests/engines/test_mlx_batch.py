@@ -517,6 +517,25 @@ def test_rows_that_leave_keep_their_slots_for_newcomers_until_half_are_empty(smo
     engine.close()
 
 
+def test_a_slot_no_newcomer_takes_is_cut_out_after_a_while(smollm, monkeypatch):
+    """A vacant slot is stepped with the others; one that no newcomer has taken for VACANT_STEPS
+    steps is cut out (here 3): four rows, one leaves after two tokens, the batch keeps four slots for
+    three more steps, then steps three. Each row answers as it does alone."""
+    from mesh_llm.engines import mlx_batch
+
+    monkeypatch.setattr(mlx_batch, "VACANT_STEPS", 3)
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, pipelined=True, together=True, keep_slots=True, model=model, max_batch=4)
+    del model.decode_rows[:]
+    vocab = engine.tokenizer.vocab_size
+    cases = [Case([(7 * i + 13 * j + 3) % vocab for j in range(30 + i)], greedy(), n)
+             for i, n in enumerate([2, 12, 12, 12])]
+    batched = run_batched(engine, cases, budget=4096)
+    same_as_alone(cases, [run_alone(smollm, c) for c in cases], [batched[i] for i in range(4)])
+    assert model.decode_rows[:8] == [4] * 6 + [3] * 2, model.decode_rows
+    engine.close()
+
+
 @pytest.mark.parametrize("keep_slots", [False, True], ids=["cut", "slots-kept"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_as_alone(smollm, seed,

@@ -11,7 +11,8 @@ left-padded to the longest and the padding masked, so the batch's KV takes rows 
 A row that leaves is cut out (:func:`_cut`: mlx-lm's ``extract`` and ``filter``), its own caches
 given back for the prompt cache. A join or a leave copies the batch's KV once. With ``keep_slots``
 (on a GPU) a row that leaves a batch of plain KV caches leaves its slot instead, stepped with the
-others and read by nobody, until newcomers fill it in place or half the slots are empty: the batch
+others and read by nobody, until newcomers fill it in place, half the slots are empty or it has
+waited ``VACANT_STEPS`` steps: the batch
 keeps its size, so MLX's CUDA graphs built for it serve on (a size not stepped before cost 15-50 ms
 of graph builds on the H200), and no leave copies the batch.
 
@@ -59,12 +60,18 @@ class Row:
     alive: bool  # still held by the engine
 
 
+# Steps a vacant slot waits for a newcomer before every vacant slot is cut out: each is stepped with
+# the others, which costs a GPU little a step but adds up, where a cut costs once.
+VACANT_STEPS = 64
+
+
 class _Vacant(Row):
     """A slot a row left, kept in the batch: decoded greedily with the others, read by nobody."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, since: int):
         self.sampler = SequenceSampler(SamplingParams(temperature=0.0, seed=0), vocab)
         self.tokens, self.fed, self.reused, self.first, self.alive = [], 0, 0, False, False
+        self.since = since  # the group's step count when the row left
 
 
 @dataclass
@@ -87,6 +94,7 @@ class DecodeGroup:
         self._model, self._vocab, self._eos, self._pipelined = model, vocab, eos, pipelined
         self._compiled = compiled  # the traced decode step, where the model's attention takes it
         self._keep_slots = keep_slots
+        self._steps = 0
         self.rows: list[Row] = []  # a slot each, vacant ones included
         self.unread: Launch | None = None  # queued on a GPU, read at the next step
         self._caches: list[Any] | None = None
@@ -153,7 +161,7 @@ class DecodeGroup:
             pads = _left_padding(self._caches)
             vacant = [i] + [j for j, r in enumerate(self.rows) if isinstance(r, _Vacant)]
             if 2 * len(keep) > len(self.rows) and min(pads[j] for j in vacant) >= min(pads[j] for j in keep):
-                self.rows[i] = _Vacant(self._vocab)
+                self.rows[i] = _Vacant(self._vocab, self._steps)
                 return kv_copies([_row_kv(c, i, pads[i]) for c in self._caches], wait=not self._pipelined)
         index = mx.array(keep) if keep else None
         if not self._batched:
@@ -166,6 +174,15 @@ class DecodeGroup:
         else:
             self._caches, self._batched, self._inputs, self._keys = None, False, None, None
         return own
+
+    def _compact(self) -> None:
+        """Cut out every vacant slot (no newcomer took the oldest for ``VACANT_STEPS`` steps)."""
+        keep = [j for j, r in enumerate(self.rows) if not isinstance(r, _Vacant)]
+        index, pads = mx.array(keep), _left_padding(self._caches)
+        for c in self._caches:
+            _keep_rows(c, pads, keep, index)
+        self.rows = [self.rows[j] for j in keep]
+        self._inputs, self._keys, self._settings = self._inputs[index], self._keys[index], None
 
     def _slots_kept(self) -> bool:
         return (self._keep_slots and self._batched and
@@ -211,6 +228,9 @@ class DecodeGroup:
 
     def launch(self) -> Launch:
         """Queue one forward pass over every row, and the sampling of unconstrained rows."""
+        self._steps += 1
+        if any(isinstance(r, _Vacant) and self._steps - r.since > VACANT_STEPS for r in self.rows):
+            self._compact()
         if self._settings is None:
             self._settings = RowSettings([r.sampler for r in self.rows], self._vocab)
         settings = self._settings
@@ -358,7 +378,6 @@ def _cut(caches: list[Any], row: int, keep: list[int], index: mx.array | None) -
     H200 a leave took 12-17 ms of 24 layers' waits, every other stream standing still)."""
     plain = [type(c) is BatchKVCache and c.keys is not None for c in caches]
     pads = _left_padding(caches) if any(plain) else []
-    shift = min((pads[k] for k in keep), default=0) if pads else 0  # padding every row left has
     own = []
     for c, fast in zip(caches, plain):
         if not fast:
@@ -366,12 +385,18 @@ def _cut(caches: list[Any], row: int, keep: list[int], index: mx.array | None) -
             if keep:
                 c.filter(keep)
             continue
-        size = c.size()
         keys, values = _row_kv(c, row, pads[row])
         out = KVCache()
-        out.keys, out.values, out.offset = mx.contiguous(keys), mx.contiguous(values), size - pads[row]
+        out.keys, out.values, out.offset = mx.contiguous(keys), mx.contiguous(values), keys.shape[2]
         own.append(out)
         if keep:
-            c.state = (c.keys[index][..., shift:, :], c.values[index][..., shift:, :], c.offset[index],
-                       c.left_padding[index] - shift, size - shift)
+            _keep_rows(c, pads, keep, index)
     return own
+
+
+def _keep_rows(c: BatchKVCache, pads: list[int], keep: list[int], index: mx.array) -> None:
+    """Keep rows ``keep`` (``index``) of a plain batch cache whose rows' left padding is ``pads``,
+    less the padding they all have."""
+    shift, size = min(pads[k] for k in keep), c.size()
+    c.state = (c.keys[index][..., shift:, :], c.values[index][..., shift:, :], c.offset[index],
+               c.left_padding[index] - shift, size - shift)
