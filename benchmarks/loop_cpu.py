@@ -15,10 +15,8 @@ change) and alternates the two, round by round, so both see the same machine. No
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -26,27 +24,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from hop_cpu import tiny_model  # benchmarks/, the script's own folder
+from alternate import add_arguments, alternate, servers, write  # benchmarks/, the script's own folder
+from hop_cpu import tiny_model
 
-from mesh_llm.bench.backends import Backend, Server, Settings
-from mesh_llm.bench.environment import describe
+from mesh_llm.bench.backends import Server
 
 BODY = {"model": "bench", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True,
         "messages": [{"role": "user", "content": "Tell me a story."}]}
-
-
-def start(stack: ExitStack, name: str, gguf: str, logs: Path, pythonpath: Path | None) -> Server:
-    def argv(_model: Path, port: int, s: Settings) -> list[str]:
-        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={pythonpath}", sys.executable]
-        return [*python, "-m", "mesh_llm", "serve", "-m", gguf, "--alias", "bench", "--engine", "llama",
-                "--threads", str(s.threads), "--ctx-size", str(s.ctx_size), "--port", str(port)]
-
-    server = Server(Backend(name, "gguf", "ignore_eos", argv, model_id="bench"), Path(gguf),
-                    Settings(threads=1, ctx_size=2048, startup_timeout=600), logs / f"{name}.log")
-    server.start()
-    stack.callback(server.stop)
-    server.wait_ready()
-    return server
 
 
 def thread_cpu(pid: int) -> tuple[float, float]:
@@ -97,34 +81,24 @@ def main() -> None:
     parser.add_argument("gguf", nargs="?", help="default: a tiny random-weight llama")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--against", type=Path, help="a src/ folder to compare with, alternated")
-    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    add_arguments(parser, rounds=3)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="loop-cpu-"))
     gguf = args.gguf or str(tiny_model(logs))
-    results: dict[str, list[dict]] = {}
     with ExitStack() as stack:
-        servers = {"this": start(stack, "this", gguf, logs, None)}
-        if args.against:
-            servers["against"] = start(stack, "against", gguf, logs, args.against.resolve())
-        for server in servers.values():
+        started = servers(stack, gguf, logs, ["--engine", "llama", "--threads", "1", "--ctx-size", "2048"],
+                          args.against)
+        for server in started.values():
             streams(server, args.streams, 2)  # warm: connections, caches
-        for r in range(args.rounds):
-            for name in list(servers)[::1 if r % 2 == 0 else -1]:
-                m = measure(servers[name], args.streams, args.seconds)
-                results.setdefault(name, []).append(m)
-                print(f"round {r + 1} {name:8} {m['tokens_per_s']:7.0f} tokens/s; CPU a token: event loop "
-                      f"{m['loop_us']:5.1f} us, rest {m['rest_us']:5.1f} us", flush=True)
+        results = alternate(started, args.rounds, lambda server: measure(server, args.streams, args.seconds),
+                            lambda m: f"{m['tokens_per_s']:7.0f} tokens/s; CPU a token: event loop "
+                                      f"{m['loop_us']:5.1f} us, rest {m['rest_us']:5.1f} us")
     print()
     for name, runs in results.items():
         print(f"{name:8} median: event loop {statistics.median(r['loop_us'] for r in runs):5.1f} us a token, "
               f"rest {statistics.median(r['rest_us'] for r in runs):5.1f} us, "
               f"{statistics.median(r['tokens_per_s'] for r in runs):6.0f} tokens/s")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                        "environment": describe(None), "results": results}, indent=2) + "\n")
+    write(args.out, args, results=results)
 
 
 if __name__ == "__main__":

@@ -17,37 +17,22 @@ running when the next one comes (a CPU's MLX decode step takes ~70 ms). Not a te
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from hop_cpu import tiny_model  # benchmarks/, the script's own folder
+from alternate import serve, write  # benchmarks/, the script's own folder
+from hop_cpu import tiny_model
 
-from mesh_llm.bench.backends import Backend, Server, Settings
-from mesh_llm.bench.environment import describe
+from mesh_llm.bench.backends import Server
 from mesh_llm.engines import engine_class
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 
 CONTEXT = 2048
-
-
-def served(stack: ExitStack, model: str, engine: str, logs: Path) -> Server:
-    def argv(_model: Path, port: int, s: Settings) -> list[str]:
-        return [sys.executable, "-m", "mesh_llm", "serve", "-m", model, "--alias", "bench", "--engine", engine,
-                "--threads", "1", "--ctx-size", str(CONTEXT), "--cache-bytes", "0", "--port", str(port)]
-
-    server = Server(Backend("server", "gguf", "ignore_eos", argv, model_id="bench"), Path(model),
-                    Settings(threads=1, ctx_size=CONTEXT, startup_timeout=600), logs / "server.log")
-    server.start()
-    stack.callback(server.stop)
-    server.wait_ready()
-    return server
 
 
 def raw_ttft(engine, prompt: list[int]) -> float:
@@ -92,7 +77,8 @@ def main() -> None:
     rng = random.Random(7)
     times: dict[str, list[float]] = {"engine": [], "server": []}
     with ExitStack() as stack:
-        server = served(stack, model, args.engine, logs)
+        server = serve(stack, "server", model, logs, ["--engine", args.engine, "--threads", "1", "--ctx-size",
+                                                      str(CONTEXT), "--cache-bytes", "0"])
         engine = engine_class(args.engine).load(Path(model), EngineOptions(ctx_size=CONTEXT, threads=1,
                                                                           cache_bytes=0))
         stack.callback(engine.close)
@@ -100,7 +86,8 @@ def main() -> None:
         http = stack.enter_context(httpx.Client(timeout=120))
         for k in range(args.requests + 2):  # the first pair warms both up
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-            pair = [("engine", lambda p: raw_ttft(engine, p)), ("server", lambda p: http_ttft(http, server, p))]
+            pair = [("engine", lambda p: raw_ttft(engine, p)),
+                    ("server", lambda p: http_ttft(http, server, p))]
             for name, measure in pair[::1 if k % 2 == 0 else -1]:
                 ttft = measure(prompt)
                 if k >= 2:
@@ -109,11 +96,7 @@ def main() -> None:
     print(f"{args.engine}: TTFT median over {args.requests} requests of {args.prompt_tokens} tokens: engine "
           f"{medians['engine']:.2f} ms, server {medians['server']:.2f} ms, the server adds "
           f"{medians['server'] - medians['engine']:.2f} ms")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                        "environment": describe(None), "medians_ms": medians,
-                                        "ttft_s": times}, indent=2) + "\n")
+    write(args.out, args, medians_ms=medians, ttft_s=times)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ change) and alternates the two. Not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -23,24 +21,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+from alternate import add_arguments, alternate, servers, write  # benchmarks/, the script's own folder
 
-from mesh_llm.bench.backends import Backend, Server, Settings
-from mesh_llm.bench.environment import describe
+from mesh_llm.bench.backends import Server
 from mesh_llm.models import default_mlx_folder
-
-
-def start(stack: ExitStack, name: str, folder: Path, logs: Path, pythonpath: Path | None) -> Server:
-    def argv(_model: Path, port: int, s: Settings) -> list[str]:
-        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={pythonpath}", sys.executable]
-        return [*python, "-m", "mesh_llm", "serve", "-m", str(folder), "--alias", "bench", "--engine", "mlx",
-                "--port", str(port)]
-
-    server = Server(Backend(name, "mlx", "ignore_eos", argv, model_id="bench"), folder,
-                    Settings(threads=2, ctx_size=8192, startup_timeout=600), logs / f"{name}.log")
-    server.start()
-    stack.callback(server.stop)
-    server.wait_ready()
-    return server
 
 
 def round_trip(server: Server, text: str) -> dict:
@@ -76,30 +60,18 @@ def round_trip(server: Server, text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kb", type=int, default=600)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--against", type=Path, help="a src/ folder to compare with, alternated")
-    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    add_arguments(parser, rounds=3)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="tokenize-stall-"))
     sentence = "The quick brown fox jumps over the lazy dog; the compiler reads every token. "
     text = sentence * (args.kb * 1000 // len(sentence))
-    results: dict[str, list[dict]] = {}
     with ExitStack() as stack:
-        folder = default_mlx_folder()
-        servers = {"this": start(stack, "this", folder, logs, None)}
-        if args.against:
-            servers["against"] = start(stack, "against", folder, logs, args.against.resolve())
-        for r in range(args.rounds):
-            for name in list(servers)[::1 if r % 2 == 0 else -1]:
-                m = round_trip(servers[name], text)
-                results.setdefault(name, []).append(m)
-                print(f"round {r + 1} {name:8} longest gap {m['longest_gap_ms']:6.0f} ms, median "
-                      f"{m['median_gap_ms']:5.0f} ms; the paste: {m['paste_status']} after "
-                      f"{m['paste_s']:.2f} s", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                        "environment": describe(None), "results": results}, indent=2) + "\n")
+        started = servers(stack, str(default_mlx_folder()), logs, ["--engine", "mlx"], args.against)
+        results = alternate(started, args.rounds, lambda server: round_trip(server, text),
+                            lambda m: f"longest gap {m['longest_gap_ms']:6.0f} ms, median "
+                                      f"{m['median_gap_ms']:5.0f} ms; the paste: {m['paste_status']} after "
+                                      f"{m['paste_s']:.2f} s")
+    write(args.out, args, results=results)
 
 
 if __name__ == "__main__":
