@@ -18,8 +18,9 @@ def tokenizer():
     return HFTokenizer.from_folder(default_mlx_folder())
 
 
-@pytest.mark.parametrize("text", ["", "Hello, world!", "naïve café 東京 🙂", "<|im_start|>user\nhi<|im_end|>\n",
-                                  "  leading spaces and\ttabs\n\n", "x" * 5000])
+@pytest.mark.parametrize("text", ["", "Hello, world!", "naïve café 東京 🙂",
+                                  "<|im_start|>user\nhi<|im_end|>\n", "  leading spaces and\ttabs\n\n",
+                                  "x" * 5000])
 @pytest.mark.parametrize("special", [False, True])
 def test_ids_are_those_tokenizers_gives(tokenizer, text, special):
     expected = tokenizer._tok.encode(text, add_special_tokens=special).ids  # noqa: SLF001

@@ -11,10 +11,9 @@ left-padded to the longest and the padding masked, so the batch's KV takes rows 
 A row that leaves is cut out (:func:`_cut`: mlx-lm's ``extract`` and ``filter``), its own caches
 given back for the prompt cache. A join or a leave copies the batch's KV once. With ``keep_slots``
 (on a GPU) a row that leaves a batch of plain KV caches leaves its slot instead, stepped with the
-others and read by nobody, until newcomers fill it in place, half the slots are empty or it has
-waited ``VACANT_STEPS`` steps: the batch
-keeps its size, so MLX's CUDA graphs built for it serve on (a size not stepped before cost 15-50 ms
-of graph builds on the H200), and no leave copies the batch.
+others and read by nobody, until a newcomer fills it in place, half the slots are empty or it has
+waited ``VACANT_STEPS`` steps: the batch keeps its size, so MLX's CUDA graphs built for it serve on
+(a size not stepped before cost 15-50 ms of graph builds on the H200), and no leave copies it.
 
 A step is :meth:`DecodeGroup.launch` (the forward pass and the sampling of unconstrained rows, queued),
 :meth:`DecodeGroup.finish` (constrained rows, once their previous token is known) and
