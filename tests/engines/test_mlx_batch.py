@@ -69,19 +69,21 @@ def smollm():
 
 
 def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, keep_slots=None,
-            **options):
+            prefill_step=32, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass,
     ``keep_slots``: rows that leave the decode batch leave their slots (the defaults on a GPU), and
     ``traced``: decode through the compiled step (engines/mlx_compiled.py), and ``bucket``: prompt
-    chunks padded and their keys read in steps (mlx_attention), to check those paths on this CPU."""
+    chunks padded and their keys read in steps (mlx_attention), to check those paths on this CPU;
+    chunks of ``prefill_step`` tokens."""
     if traced or bucket:
         from mesh_llm.engines import mlx_attention
 
         assert mlx_attention.install(engine._model, traced=traced, in_steps=bool(bucket))
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
-                     EngineOptions(prefill_step=32, **options), {}, "safetensors", pipelined=pipelined,
-                     together=together, traced=traced, bucket=bucket, keep_slots=keep_slots)
+                     EngineOptions(prefill_step=prefill_step, **options), {}, "safetensors",
+                     pipelined=pipelined, together=together, traced=traced, bucket=bucket,
+                     keep_slots=keep_slots)
 
 
 class CountingModel:
@@ -584,6 +586,16 @@ def test_the_warm_up_reads_every_padded_width_with_room_for_one_sequence(smollm)
     engine = sibling(smollm, model=model, bucket=12, max_batch=1)
     assert engine.warm_up() > 0
     assert set(model.chunk_widths) == {12, 24, 32} and not engine._seqs
+    engine.close()
+
+
+def test_chunks_over_512_tokens_are_padded_to_256_so_larger_chunks_add_few_widths(smollm):
+    """With CUDA's bucket (64) and ``--prefill-step 1024``: widths of 64 up to 512 tokens, then 768
+    and 1,024, ten in all (sixteen at multiples of 64), which is what the warm-up reads."""
+    engine = sibling(smollm, bucket=64, prefill_step=1024)
+    widths = {engine._padded(0, n) for n in range(1, 1025)}  # noqa: SLF001
+    assert sorted(widths) == [*range(64, 513, 64), 768, 1024]
+    assert engine._padded(0, 513) == 768 and engine._padded(100, 612) == 512  # noqa: SLF001
     engine.close()
 
 

@@ -73,6 +73,7 @@ _CLEAR_EVERY = 256  # steps between returns of the allocator's cached buffers
 # after it in 23.6-39.2 against 42.8-65.3 (benchmarks/results/h200-20261204c/prefill-steps/).
 # Elsewhere padding only adds arithmetic.
 CUDA_PREFILL_BUCKET = 64
+WIDE_CHUNK = 512  # chunks over this many tokens are padded to four buckets (256 tokens on CUDA)
 # Reading prompts together, a newcomer starts from a stored or running prefix only if it holds at
 # least this many tokens. Chat prompts that share only a template's first few tokens would otherwise
 # start at as many positions and be read in as many passes, each newcomer's prefix copied out first;
@@ -321,15 +322,16 @@ class MLXEngine(Engine):
             long = max(2, min(chunk + chunk // 2, self._context - 4))
             short = max(2, min(16, self._context - 4))
             greedy = SamplingParams(temperature=0.0)
-            buckets = range(self._bucket, min(chunk, self._context - 4) + 1, self._bucket) if self._bucket else ()
+            top = min(chunk, self._context - 4)
+            widths = sorted({self._padded(0, n) for n in range(1, top + 1)}) if self._bucket else []
             rows = min(self._max_batch, 2)
-            for size in buckets:  # every padded width, first in a prompt and after a whole chunk
+            for size in widths:  # every padded width, first in a prompt and after a whole chunk
                 for offset in {0, min(chunk, self._context - 4 - size)}:
                     self.add(-99, [(5 * i + size) % self._vocab for i in range(offset + size + 1)], greedy, 1)
                     while self._reading:  # its last chunk's step also queues its first decode step
                         self.step(chunk)
                     self.remove(-99)
-            phases = [(f"{len(buckets)} padded widths", time.perf_counter())]
+            phases = [(f"{len(widths)} padded widths", time.perf_counter())]
             steps = 4 + 2 * rows  # no row ends before the last step
             self.add(-100, [(7 * i + 11) % self._vocab for i in range(long)], greedy, steps)
             for _ in range(4):
@@ -463,13 +465,16 @@ class MLXEngine(Engine):
         self._evaluate([a for c in batch for a in (c.keys, c.values)])
 
     def _padded(self, start: int, end: int) -> int:
-        """The width of the chunk of prompt positions ``start`` to ``end`` once padded to its bucket:
-        at most a whole chunk, and never past the context (a model may hold no position beyond)."""
+        """The width of the chunk of prompt positions ``start`` to ``end`` once padded to its bucket
+        (to four buckets over WIDE_CHUNK tokens, so that larger chunks, ``--prefill-step``, add few
+        widths to warm up): at most a whole chunk, and never past the context (a model may hold no
+        position beyond)."""
         n = end - start
         if not self._bucket:
             return n
+        bucket = self._bucket if n <= WIDE_CHUNK else 4 * self._bucket
         limit = min(max(1, self._options.prefill_step), self._context - start)
-        return max(n, min(-(-n // self._bucket) * self._bucket, limit))
+        return max(n, min(-(-n // bucket) * bucket, limit))
 
     def _evaluate(self, state: list) -> None:
         """A chunk's KV: queued on a GPU (the next step's graph waits for it), evaluated now on a
