@@ -519,6 +519,31 @@ def test_rows_that_leave_keep_their_slots_for_newcomers_until_half_are_empty(smo
     engine.close()
 
 
+def test_a_constrained_and_a_seeded_newcomer_in_slots_rows_left(smollm):
+    """A slot a row left takes a newcomer with its own sampling: a constrained one (its mask, told
+    of every token) and a seeded one (its PRNG key put in the slot: the same draws as alone). The
+    batch keeps four rows throughout, and every row answers as it does alone."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, pipelined=True, keep_slots=True, model=model, cache_bytes=0, max_batch=8)
+    del model.decode_rows[:]
+    vocab = smollm.tokenizer.vocab_size
+    digits = [smollm.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    constraint = AllowOnly(digits, vocab)
+    cases = [Case(chat(smollm, QUESTIONS[i]), greedy(), n) for i, n in ((0, 2), (1, 10), (2, 24), (3, 24))]
+    cases.append(Case(chat(smollm, QUESTIONS[6]), greedy(constraint=constraint), 8, start=6))
+    cases.append(Case(chat(smollm, QUESTIONS[7]), seeded(5, logprobs=1), 8, start=14))
+    params = [c.params() for c in cases]
+    batched = run_batched(engine, cases, budget=4096, params=params)
+    digits_got = [s.token for s in batched[4]]
+    assert set(digits_got) <= set(digits) and constraint.seen == digits_got
+    # the newcomers took the slots rows 0 and 1 left (else the batch would have grown to 5 and 6)
+    assert max(model.decode_rows) == 4 and model.decode_rows[:20] == [4] * 20, model.decode_rows
+    free = [0, 1, 2, 3, 5]
+    same_as_alone([cases[i] for i in free], [run_alone(smollm, cases[i]) for i in free],
+                  [batched[i] for i in free])
+    engine.close()
+
+
 def test_a_slot_no_newcomer_takes_is_cut_out_after_a_while(smollm, monkeypatch):
     """A vacant slot is stepped with the others; one that no newcomer has taken for VACANT_STEPS
     steps is cut out (here 3): four rows, one leaves after two tokens, the batch keeps four slots for
