@@ -536,7 +536,6 @@ class MLXEngine(Engine):
             return
         for s in seqs:
             s.fed = len(s.prompt) - 1
-        joining = list(seqs)
         if self._unbatchable:
             for s in seqs:
                 s.group = self._new_group()
@@ -546,21 +545,22 @@ class MLXEngine(Engine):
             return
         if not self._groups:
             self._groups.append(self._new_group())
-        group, passes = self._groups[-1], {}
+        group = self._groups[-1]
         if group.vacancies >= len(seqs):  # each into a slot a row left, in place
             group.join(seqs, [s.cache for s in seqs], [s.prompt[-1] for s in seqs])
-            seqs = []
+        else:
+            passes: dict[int, list[_Sequence]] = {}
+            for s in seqs:
+                if s.shared is not None:
+                    passes.setdefault(id(s.shared[0]), []).append(s)
+            for rows in passes.values():
+                if len(rows) > 1:
+                    batch = batch_rows(rows[0].shared[0], [s.shared[1] for s in rows], [s.read for s in rows])
+                    group.join_batch(rows, batch, [s.prompt[-1] for s in rows])
+            own = [s for s in seqs if s.shared is None or len(passes[id(s.shared[0])]) == 1]
+            if own:
+                group.join(own, [s.cache for s in own], [s.prompt[-1] for s in own])
         for s in seqs:
-            if s.shared is not None:
-                passes.setdefault(id(s.shared[0]), []).append(s)
-        for rows in passes.values():
-            if len(rows) > 1:
-                batch = batch_rows(rows[0].shared[0], [s.shared[1] for s in rows], [s.read for s in rows])
-                group.join_batch(rows, batch, [s.prompt[-1] for s in rows])
-        own = [s for s in seqs if s.shared is None or len(passes[id(s.shared[0])]) == 1]
-        if own:
-            group.join(own, [s.cache for s in own], [s.prompt[-1] for s in own])
-        for s in joining:
             s.group, s.cache, s.shared = group, None, None
 
     def _new_group(self) -> DecodeGroup:

@@ -108,7 +108,10 @@ class DecodeGroup:
 
     @property
     def vacancies(self) -> int:
-        return sum(isinstance(r, _Vacant) for r in self.rows)
+        return len(self._vacant())
+
+    def _vacant(self) -> list[int]:
+        return [j for j, r in enumerate(self.rows) if isinstance(r, _Vacant)]
 
     def join(self, rows: list[Row], caches: list[list[Any]], firsts: list[int]) -> None:
         """Add rows whose own layer caches (``caches``, one list a row) hold their tokens but the
@@ -158,7 +161,7 @@ class DecodeGroup:
         self._settings = None
         if self._slots_kept():
             pads = _left_padding(self._caches)
-            vacant = [i] + [j for j, r in enumerate(self.rows) if isinstance(r, _Vacant)]
+            vacant = [i, *self._vacant()]
             if 2 * len(keep) > len(self.rows) and min(pads[j] for j in vacant) >= min(pads[j] for j in keep):
                 self.rows[i] = _Vacant(self._vocab, self._steps)
                 return kv_copies([_row_kv(c, i, pads[i]) for c in self._caches], wait=not self._pipelined)
@@ -167,11 +170,10 @@ class DecodeGroup:
             own, self._caches = self._caches, None
         else:
             own = _cut(self._caches, i, keep, index)
-        self.rows = [self.rows[j] for j in keep]
         if keep:
-            self._inputs, self._keys = self._inputs[index], self._keys[index]
+            self._retain(keep, index)
         else:
-            self._caches, self._batched, self._inputs, self._keys = None, False, None, None
+            self.rows, self._caches, self._batched, self._inputs, self._keys = [], None, False, None, None
         return own
 
     def _compact(self) -> None:
@@ -180,6 +182,10 @@ class DecodeGroup:
         index, pads = mx.array(keep), _left_padding(self._caches)
         for c in self._caches:
             _keep_rows(c, pads, keep, index)
+        self._retain(keep, index)
+
+    def _retain(self, keep: list[int], index: mx.array) -> None:
+        """The rows ``keep`` (``index``), with their inputs and keys, once the caches hold only them."""
         self.rows = [self.rows[j] for j in keep]
         self._inputs, self._keys, self._settings = self._inputs[index], self._keys[index], None
 
@@ -194,7 +200,7 @@ class DecodeGroup:
         if not self._slots_kept():
             return rows, caches, firsts
         size, pads = self._caches[0].size(), _left_padding(self._caches)
-        slots = [j for j, r in enumerate(self.rows) if isinstance(r, _Vacant)]
+        slots = self._vacant()
         placed, left = [], ([], [], [])
         for row, own, first in zip(rows, caches, firsts):
             n = own[0].offset
