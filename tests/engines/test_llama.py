@@ -325,6 +325,32 @@ def test_defaults_and_overrides_of_load_options(tmp_path):
         folder.generate([1, 2, 3], GREEDY)
 
 
+CELL_BYTES = 30 * 3 * (64 + 64) * 2  # SmolLM2-135M: 30 layers of 3 KV heads, 64-wide float16 K and V
+
+
+def test_the_default_context_is_what_memory_holds_and_ctx_size_stands(monkeypatch):
+    """Free memory pretended short (half of it beyond the weights holds about 3,000 tokens' KV): the
+    default context shrinks from the model's 8,192 tokens to a multiple of 256 that fits, and the
+    engine answers within it; an explicit ctx_size is taken as given."""
+    import mesh_llm.engines.llama as llama_module
+
+    monkeypatch.setattr(llama_module, "available_memory", lambda: GGUF.stat().st_size + 2 * 3000 * CELL_BYTES)
+    fitted = LlamaEngine.load(GGUF, EngineOptions(threads=1))
+    try:
+        n_ctx = fitted.info().context_length
+        assert n_ctx % 256 == 0 and 2560 <= n_ctx <= 3072
+        assert len(run(fitted, chat_ids(fitted, FRANCE), n=8)) == 8
+        with pytest.raises(EngineError, match="no room"):
+            fitted.generate([1] * n_ctx, GREEDY)
+    finally:
+        fitted.close()
+    asked = LlamaEngine.load(GGUF, EngineOptions(threads=1, ctx_size=4096))
+    try:
+        assert asked.info().context_length == 4096
+    finally:
+        asked.close()
+
+
 def test_physical_cores_is_within_the_cpus_we_may_use():
     import os
 

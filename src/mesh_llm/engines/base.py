@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
@@ -58,6 +58,24 @@ class EngineOptions:
     max_batch: int | None = None  # sequences decoded together; None: chosen from device and memory
     warm_up: bool | None = None  # run serving's shapes once before ready; None: where it pays (MLX GPU)
     deterministic: bool = False  # llama engine on a CPU: bit for bit alone, batched or resumed (slower)
+
+
+CONTEXT_STEP = 256  # a context fitted to memory is a multiple of this many tokens
+
+
+def fit_context(trained: int, needs: Callable[[int], int], budget: int) -> int:
+    """The context a model gets where ``--ctx-size`` is not given: its own trained length, or the
+    longest multiple of :data:`CONTEXT_STEP` below it whose memory (``needs(tokens)`` bytes, which
+    grows with tokens) fits ``budget``. Many models are trained on 32k-128k tokens, where one
+    sequence's KV alone can outgrow the machine (an 8B Llama's 131,072 tokens take 16 GiB); as
+    llama-server's ``--fit`` and Ollama's default context, the default then shrinks to fit."""
+    if needs(trained) <= budget:
+        return trained
+    low, high = 1, max(1, trained // CONTEXT_STEP)  # in steps: low fits or is the floor
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if needs(mid * CONTEXT_STEP) <= budget else (low, mid - 1)
+    return min(trained, low * CONTEXT_STEP)
 
 
 @runtime_checkable

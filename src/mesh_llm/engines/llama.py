@@ -45,6 +45,7 @@ from mesh_llm.engines.base import (
     NoCapacity,
     SamplingParams,
     Step,
+    fit_context,
 )
 from mesh_llm.engines.llama_batch import Batch, Sampler, Slot, cells_in_use, plan_pool
 from mesh_llm.engines.llama_cache import RECOMPUTE, SequenceState, batch_ends, common_prefix, next_chunk
@@ -156,12 +157,16 @@ class LlamaEngine(Engine):
             raise EngineError(f"{path}: llama.cpp cannot load it: {reason}")
         gpu = bool(params.n_gpu_layers)
         threads = options.threads or physical_cores()
-        n_ctx_seq = options.ctx_size or ll.llama_model_n_ctx_train(model)
-        step = max(3, min(options.prefill_step, n_ctx_seq))
         cell_bytes = kv_cell_bytes(model, meta)
         free = (gpu_free_memory() if gpu else None)
         if free is None:
             free = max(0, available_memory() - ll.llama_model_size(model))
+        trained = ll.llama_model_n_ctx_train(model)
+        n_ctx_seq = options.ctx_size or fit_context(trained, lambda n: n * cell_bytes, free // 2)
+        if n_ctx_seq < trained and not options.ctx_size:
+            log.warning("%s: context %d tokens of the model's %d, as much as half the free memory holds "
+                        "(--ctx-size sets another)", path.name, n_ctx_seq, trained)
+        step = max(3, min(options.prefill_step, n_ctx_seq))
         max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch)
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired

@@ -45,6 +45,7 @@ from mesh_llm.engines.base import (
     SamplingParams,
     Step,
     Tokenizer,
+    fit_context,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
@@ -159,6 +160,11 @@ class MLXEngine(Engine):
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
         self._pool = int(free_memory() * MEMORY_SHARE)
+        if not options.ctx_size:
+            self._context = fit_context(context_length, self._footprint_bytes, self._pool)
+            if self._context < context_length:
+                log.warning("context %d tokens of the model's %d, as much as the engine's memory holds "
+                            "(--ctx-size sets another)", self._context, context_length)
         self._max_batch = options.max_batch or self._default_max_batch()
         cache_bytes = options.cache_bytes
         if cache_bytes is None:
@@ -576,14 +582,17 @@ class MLXEngine(Engine):
         if not ends:
             return 0
         if self._unbatchable:
-            return 2 * sum(self._footprint.bytes(n) for n in ends)
+            return sum(self._footprint_bytes(n) for n in ends)
         rows = max(len(ends), sum(len(g.rows) for g in self._groups))  # vacant slots hold KV too
-        return 2 * rows * self._footprint.bytes(max(ends))
+        return rows * self._footprint_bytes(max(ends))
+
+    def _footprint_bytes(self, tokens: int) -> int:
+        """What one sequence of ``tokens`` reserves (twice its KV: a join or leave copies it)."""
+        return 2 * self._footprint.bytes(tokens)
 
     def _default_max_batch(self) -> int:
         cap = MAX_BATCH_GPU if self._pipelined else MAX_BATCH_CPU
-        full = 2 * self._footprint.bytes(self._context)  # one sequence at the whole context
-        return max(1, min(cap, self._pool // full))
+        return max(1, min(cap, self._pool // self._footprint_bytes(self._context)))
 
     def _resize_prompt_cache(self) -> None:
         """The prompt cache keeps what the live sequences leave of the engine's memory."""
