@@ -21,20 +21,22 @@ from mesh_llm import native
 SOURCE = '#include <sstream>\nextern "C" int describe(long v) { std::ostringstream s; s << v; return s.str().size(); }\n'
 
 
-def build(tmp: Path, name: str, static: bool) -> Path:
+def build(tmp: Path, name: str, static: bool, hash_style: str = "gnu") -> Path:
     if shutil.which("g++") is None:
         pytest.skip("no g++ to build a test library")
     src = tmp / "lib.cpp"
     src.write_text(SOURCE)
     out = tmp / name
     flags = ["-static-libstdc++"] if static else []
-    subprocess.run(["g++", "-shared", "-fPIC", *flags, "-o", str(out), str(src)], check=True)
+    subprocess.run(["g++", "-shared", "-fPIC", f"-Wl,--hash-style={hash_style}", *flags, "-o", str(out),
+                    str(src)], check=True)
     return out
 
 
-def test_a_library_with_a_static_libstdcxx_is_recognised(tmp_path):
-    assert native.carries_cxx_runtime(build(tmp_path, "libstatic.so", static=True))
-    assert not native.carries_cxx_runtime(build(tmp_path, "libshared.so", static=False))
+@pytest.mark.parametrize("hash_style", ["gnu", "sysv"])  # the symbol hash tables the check looks in
+def test_a_library_with_a_static_libstdcxx_is_recognised(tmp_path, hash_style):
+    assert native.carries_cxx_runtime(build(tmp_path, "libstatic.so", static=True, hash_style=hash_style))
+    assert not native.carries_cxx_runtime(build(tmp_path, "libshared.so", static=False, hash_style=hash_style))
     (tmp_path / "notelf.so").write_text("not an ELF file")
     assert not native.carries_cxx_runtime(tmp_path / "notelf.so")
 

@@ -237,7 +237,7 @@ def models_download(
     include: list[str] = typer.Option([], help="Only files matching these glob patterns."),
 ) -> None:
     """Download a model from the Hugging Face Hub into its local cache (the only networked command)."""
-    from mesh_llm.models import download
+    from mesh_llm.models.download import download
 
     repo_id, _, revision = repo.partition("@")
     try:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from mesh_llm.api.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
 from mesh_llm.engines import choose_engine, engine_class
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.runtime.worker import ModelWorker
 
 if TYPE_CHECKING:
+    from mesh_llm.api.app import ServedModel
     from mesh_llm.mesh import MeshConfig
 
 log = logging.getLogger("mesh_llm.serve")
@@ -43,7 +43,7 @@ class ServeConfig:
     max_queue: int = 64
     max_batch: int | None = None  # sequences decoded together; None: the engine's choice
     prefill_step: int | None = None  # prompt tokens a sequence reads per pass; None: EngineOptions'
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int | None = None  # largest request body; None: the API's (8 MiB)
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
     cache_entries: int = 64
     warm_up: bool | None = None  # run serving's shapes once before ready; None: the engine's choice
@@ -130,12 +130,17 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     check_tls(config)
     sock = bind(config.host, config.port)
     workers = start_workers(plans, config, progress_factory)
+    # imported while the engines load on their threads: FastAPI's import alone took 0.2 s of a
+    # 2-core machine's start and 0.8 s on the H200's host (README, "Startup")
+    from mesh_llm.api.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
+
+    body_limit = config.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     created = int(time.time())
     served = [ServedModel(p.id, w, p.format, created) for p, w in zip(plans, workers)]
-    app = create_app(served, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app = create_app(served, api_key=config.api_key, max_body_bytes=body_limit)
     if config.mesh is not None:
         try:
-            app = join_mesh(app, served, config)
+            app = join_mesh(app, served, config, body_limit)
         except StartupError:
             for worker in workers:
                 worker.stop(timeout=5)
@@ -182,7 +187,7 @@ def check_tls(config: ServeConfig) -> None:
                            f"{exc.strerror or exc}") from None
 
 
-def join_mesh(app, served: list[ServedModel], config: ServeConfig):
+def join_mesh(app, served: list[ServedModel], config: ServeConfig, body_limit: int):
     """Put the mesh gateway in front of ``app``, joining the mesh first when told to."""
     from mesh_llm.mesh import MeshError, attach
     from mesh_llm.mesh.node import api_url
@@ -192,6 +197,6 @@ def join_mesh(app, served: list[ServedModel], config: ServeConfig):
     url = api_url(config.host, config.port, tls=config.tls_cert is not None)
     try:
         return attach(app, served, config.mesh, url, api_key=config.api_key,
-                      max_body_bytes=config.max_body_bytes)
+                      max_body_bytes=body_limit)
     except MeshError as exc:
         raise StartupError(str(exc)) from None

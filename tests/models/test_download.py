@@ -14,7 +14,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import are_progress_bars_disabled
 
-from mesh_llm.models import DownloadError, ModelNotFound, download, resolve
+from mesh_llm.models import ModelNotFound, resolve
+from mesh_llm.models.download import DownloadError, download
 
 download_module = importlib.import_module("mesh_llm.models.download")  # the package attribute is the function
 
