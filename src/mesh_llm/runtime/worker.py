@@ -40,7 +40,7 @@ log = logging.getLogger("mesh_llm.worker")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
-SLOW_STEP_S = 1.0  # an engine step longer than this is logged: every stream stood still that long
+SLOW_STEP_S = 1.0  # a step longer than this, with streams decoding, is logged: they stood still that long
 # MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
 # (faulthandler), to find what a stall waits on
 STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
@@ -323,7 +323,7 @@ class ModelWorker:
             reading = sum(s.first_at is None for s in self._active.values())
             log.debug("%s: step %.1f ms, budget %d: %d reading, %d decoding, %d tokens out", self.name,
                       1000 * (now - started), budget, reading, len(self._active) - reading, len(outputs))
-        if slow:
+        if slow and decoding:  # a prompt read alone is its own first token's wait, a stall for nobody
             log.warning("%s: one engine step took %.1f s (%d sequences reading their prompts, %d "
                         "decoding)", self.name, now - started, reading, len(self._active) - reading)
         for seq, step in outputs:
