@@ -234,7 +234,9 @@ def test_with_a_stream_of_cells_per_sequence_each_is_still_bit_for_bit_what_it_i
 
 
 def test_no_capacity_past_max_batch_or_free_cells_and_an_error_for_what_never_fits(default_gguf):
-    options = EngineOptions(ctx_size=512, threads=1, max_batch=3, cache_bytes=0, prefill_step=64)
+    """Bit-for-bit cells promise each sequence room for all it may answer (no preemption there)."""
+    options = EngineOptions(ctx_size=512, threads=1, max_batch=3, cache_bytes=0, prefill_step=64,
+                            deterministic=True)
     engine = LlamaEngine.load(default_gguf, options, kv_cells=512)
     try:
         prompt = engine.tokenizer.encode("Tell me about the mesh. " * 10, add_special_tokens=False)
@@ -263,6 +265,34 @@ def test_no_capacity_past_max_batch_or_free_cells_and_an_error_for_what_never_fi
         for seq in (1, 3, 4, 7):  # an unknown id is ignored
             engine.remove(seq)
         assert engine.score(prompt).shape == (len(prompt), engine.tokenizer.vocab_size)
+    finally:
+        engine.close()
+
+
+def test_a_full_pool_preempts_the_newest_sequence_which_reads_again_and_answers_on(default_gguf, prompts):
+    """Float16 cells (the default) overcommit: a sequence holds cells for what it has read and
+    answered, not for all it may answer, so four sequences that will need about 900 cells start in
+    a pool of 768 (600 asked, as llama.cpp rounds it) and fill it. The newest is preempted (its state
+    offered to the prompt cache), reads again what it held and samples on: every stream still
+    follows its solo run within rounding, seeded draws included, and all 200 tokens of each come."""
+    options = EngineOptions(ctx_size=512, threads=1, max_batch=4, prefill_step=64)
+    engine = LlamaEngine.load(default_gguf, options, kv_cells=600)
+    try:
+        assert "preempted when it fills" in engine.info().details["kv_cells"]
+        pool = engine.cache_stats()["kv_cells"]
+        picks, n = [0, 2, 4, 7], 200  # two greedy, two seeded and sampled
+        alone = [solo(engine, prompts[i], SPECS[i][1], n) for i in picks]
+        work = {k: (prompts[i], SPECS[i][1], n, k) for k, i in enumerate(picks)}
+        assert sum(len(p) + n for p, *_ in work.values()) > pool + 100
+        used = []
+        batch = drive(engine, work, on_step=lambda _: used.append(engine.cache_stats()["kv_cells_used"]))
+        preempted = engine.cache_stats()["kv_preemptions"]
+        assert preempted >= 1 and pool - 10 <= max(used) <= pool
+        parted = {k: compare(alone[k], batch[k], greedy=SPECS[i][1].temperature == 0, tolerance=F16_TOLERANCE)
+                  for k, i in enumerate(picks)}
+        assert all(len(batch[k]) == n for k in work)
+        print(f"\n{preempted} preemptions in a pool of {pool} cells; streams parted from their solo runs "
+              f"at {parted}")
     finally:
         engine.close()
 

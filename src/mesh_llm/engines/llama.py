@@ -95,7 +95,7 @@ class LlamaEngine(Engine):
 
     def __init__(self, path: Path, meta: dict, model, ctx, *, threads: int, gpu_layers: int,
                  max_batch: int, n_ctx_seq: int, prefill_step: int, cell_bytes: int, options: EngineOptions,
-                 cells: str, streams: bool):
+                 cells: str, streams: bool, overcommit: bool):
         self._path, self._meta, self._model, self._ctx = path, meta, model, ctx
         self._threads, self._gpu_layers, self._max_batch = threads, gpu_layers, max_batch
         self._cell_bytes, self._cells = cell_bytes, cells
@@ -116,6 +116,8 @@ class LlamaEngine(Engine):
         self._retired: deque[Slot] = deque()  # ended while others ran: their cells stay until released
         self._free_ids = deque(range(ll.llama_n_seq_max(ctx)))
         self._streams = streams  # a stream of cells per sequence id, not one pool
+        self._overcommit = overcommit  # sequences hold no cells for their answers ahead: see _make_room
+        self._preemptions = 0
         self._pending: set[int] = set()  # streams in a copy llama.cpp makes at the next decode
         self._stream_copies = 0
         self._cells_used = 0  # a snapshot for cache_stats(), which any thread may call
@@ -167,10 +169,13 @@ class LlamaEngine(Engine):
             log.warning("%s: context %d tokens of the model's %d, as much as half the free memory holds "
                         "(--ctx-size sets another)", path.name, n_ctx_seq, trained)
         step = max(3, min(options.prefill_step, n_ctx_seq))
-        max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch)
+        whole = llama_cache.needs_checkpoints(model)  # their states resume whole: one pool
+        # preempting a sequence moves where the others' next cells land, and with them the order
+        # attention sums in: not where results must be bit for bit, nor for states resumed whole
+        overcommit = not (options.deterministic or whole)
+        max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch, overcommit)
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
-        whole = llama_cache.needs_checkpoints(model)  # their states resume whole: one pool
         if streams is None:
             setting = os.environ.get("MESH_LLM_KV_STREAMS")
             streams = gpu if setting is None else setting == "1"
@@ -200,7 +205,7 @@ class LlamaEngine(Engine):
         gpu_layers = ll.llama_model_n_layer(model) if gpu else 0
         return cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
                    n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options,
-                   cells=cells, streams=streams)
+                   cells=cells, streams=streams, overcommit=overcommit and not streams)
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -232,7 +237,8 @@ class LlamaEngine(Engine):
                 "max_batch": str(self._max_batch),
                 "kv_cells": f"{self._pool} {self._cells} ({kv_bytes / 1e6:.0f} MB), "
                             + (f"a stream for each of {ll.llama_n_seq_max(self._ctx)} sequences"
-                               if self._streams else "one pool"),
+                               if self._streams else "one pool"
+                               + (", the newest sequences preempted when it fills" if self._overcommit else "")),
                 "n_batch": str(self._batch.capacity),
                 "file": str(self._path),
                 **details,
@@ -258,13 +264,14 @@ class LlamaEngine(Engine):
         _check_params(params, self._n_vocab)
         if len(self._slots) >= self._max_batch:
             raise NoCapacity(f"all {self._max_batch} sequences are running")
+        ahead = 0 if self._overcommit else max_tokens  # cells promised now for the answer
         while True:
             share = self._best_share(ids)[1]
-            if n + max_tokens - share <= self._free_cells() or not self._retired:
+            if n + ahead - share <= self._free_cells() or not self._retired:
                 break
             self._release(self._retired.popleft())  # the oldest ended sequence gives its cells back
-        if n + max_tokens - share > self._free_cells():
-            raise NoCapacity(f"{n + max_tokens - share} KV cells needed, {self._free_cells()} free")
+        if n + ahead - share > self._free_cells():
+            raise NoCapacity(f"{n + ahead - share} KV cells needed, {self._free_cells()} free")
         if not self._free_ids:
             self._release(self._retired.popleft())
         slot = Slot(seq, self._take_id(), ids, max_tokens, Sampler(params, self._n_vocab, self._fallback))
@@ -314,6 +321,8 @@ class LlamaEngine(Engine):
         if self._streams:
             self._compact()
             slots = sorted(slots, key=lambda s: s.id)
+        if self._overcommit:
+            self._make_room(self._decoding())
         for slot in slots:  # one token for each decoding sequence, first
             if slot.next_token is not None and slot.produced < slot.max_tokens:
                 work.append((slot, [slot.next_token], batch.add(slot.id, [slot.next_token], len(slot.held), True)))
@@ -321,6 +330,8 @@ class LlamaEngine(Engine):
         self._plan_prefill(work, max(2, prefill_budget), patient=True)
         if batch.n == 0 and self._slots:  # every newcomer waits on another: the first goes now
             self._plan_prefill(work, max(2, prefill_budget), patient=False)
+        while batch.n == 0 and self._overcommit and self._preempt_newest():  # the pool is full of
+            self._plan_prefill(work, max(2, prefill_budget), patient=False)  # prompts read in part
         if batch.n == 0:
             return []
         rc = ll.llama_decode(self._ctx, batch.ready())
@@ -361,11 +372,15 @@ class LlamaEngine(Engine):
             room = min(budget, batch.capacity - batch.n)
             if room < 2:
                 return
+            if self._overcommit and self._free_now() - batch.n < 2:  # the pass's tokens take cells
+                return
             if slot.next_token is not None or (slot.started and not slot.prefilling):
                 continue
             if not slot.started and not self._start(slot, patient):
                 continue
             pos, stop = len(slot.held), len(slot.prompt)
+            if self._overcommit:
+                room = min(room, self._free_now() - batch.n)
             end = next_chunk(pos, stop, self._step, self._checkpoints, room)
             if end is None:
                 continue
@@ -382,7 +397,8 @@ class LlamaEngine(Engine):
         stored = self._prompts.peek(slot.prompt) if self._prompts.enabled else 0
         if patient and self._worth_waiting(slot, max(share, stored)):
             return False
-        total, free = len(slot.prompt) + slot.max_tokens, self._free_cells(exclude=slot)
+        total = len(slot.prompt) + (self._headroom(slot) if self._overcommit else slot.max_tokens)
+        free = self._free_cells(exclude=slot) - (self._batch.n if self._overcommit else 0)
         # a restore takes new cells for all of it, written at once: not into a stream still to be copied
         restore = stored > share and total <= free and slot.id not in self._pending
         if not restore and total - share > free:  # admission left room; retired cells hold it
@@ -493,8 +509,54 @@ class LlamaEngine(Engine):
         max_tokens (retired cells count as held). With streams: a newcomer's whole stream."""
         if self._streams:
             return self._n_ctx_seq
-        growth = sum(s.growth() for s in self._slots.values() if s is not exclude)
-        return self._pool - cells_in_use(self._holders()) - growth
+        growth = sum(s.growth(not self._overcommit) for s in self._slots.values() if s is not exclude)
+        return self._free_now() - growth
+
+    def _headroom(self, slot: Slot) -> int:
+        """Overcommit: cells a sequence starts only with beyond its prompt, where others hold cells:
+        its first tokens, and 32 steps of every row decoding, so that a start (or a restart after
+        preemption) is not preempted again a few tokens later."""
+        if not any(s.started for s in self._holders() if s is not slot):
+            return 0
+        return min(slot.max_tokens, 32 * (1 + self._decoding()))
+
+    def _decoding(self) -> int:
+        return sum(s.next_token is not None and s.produced < s.max_tokens for s in self._slots.values())
+
+    def _free_now(self) -> int:
+        """Cells no sequence holds now (promised ones included)."""
+        return self._pool - cells_in_use(self._holders())
+
+    def _make_room(self, cells: int) -> None:
+        """Overcommit: sequences hold cells for what they have read and answered, not for all they
+        may answer (``max_tokens``, the rest of the context when a client gives none), so the pool
+        is sized for typical lengths and a step's decoding rows may find it full. Then ended
+        sequences give their cells back, and if that is not enough the newest running ones are
+        preempted (:meth:`_preempt_newest`), as vLLM does, until ``cells`` are free."""
+        while self._free_now() < cells:
+            if self._retired:
+                self._release(self._retired.popleft())
+            elif not self._preempt_newest():
+                return
+            cells = self._decoding()  # a preempted sequence decodes no more this step
+
+    def _preempt_newest(self) -> bool:
+        """Take the cells of the newest running sequence but the oldest: its state is offered to the
+        prompt cache (reading it again is then mostly a restore) and it waits to read what it held,
+        then samples on where it stopped. False when no other sequence holds cells."""
+        oldest = next(iter(self._slots.values()), None)
+        victim = next((s for s in reversed(self._slots.values())
+                       if s.started and s is not oldest and (s.next_token is None or s.produced < s.max_tokens)),
+                      None)
+        if victim is None:
+            return False
+        log.info("%s: the KV pool (%d cells) is full: sequence %d preempted after %d tokens, to be read "
+                 "again", self._path.name, self._pool, victim.seq, len(victim.held))
+        self._release(victim)
+        victim.preempted()
+        victim.id = self._take_id()
+        self._preemptions += 1
+        return True
 
     def _checkpoint(self, slot: Slot) -> None:
         """Store a recurrent or sliding-window sequence's state at the prefill marks (see llama_cache)."""
@@ -569,7 +631,8 @@ class LlamaEngine(Engine):
         return ll.llama_state_get_size(self._ctx)
 
     def cache_stats(self) -> dict:
-        stats = {**self._prompts.stats(), "kv_cells": self._pool, "kv_cells_used": self._cells_used}
+        stats = {**self._prompts.stats(), "kv_cells": self._pool, "kv_cells_used": self._cells_used,
+                 "kv_preemptions": self._preemptions}
         return {**stats, "kv_stream_copies": self._stream_copies} if self._streams else stats
 
     def close(self) -> None:

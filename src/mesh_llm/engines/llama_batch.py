@@ -207,11 +207,22 @@ class Slot:
         self.held.extend(int(t) for t in tokens)
         self.runs[-1][1] = len(self.held)
 
-    def growth(self) -> int:
-        """The most cells it may still add: the rest of its prompt and its tokens to come."""
-        if not self.started:
-            return len(self.prompt) + self.max_tokens - self.share
-        return max(0, len(self.prompt) + self.max_tokens - len(self.held))
+    def growth(self, answer: bool = True) -> int:
+        """The most cells it may still add: the rest of its prompt, and with ``answer`` its tokens
+        to come."""
+        total = len(self.prompt) + (self.max_tokens if answer else 0)
+        return max(0, total - (len(self.held) if self.started else self.share))
+
+    def preempted(self) -> None:
+        """Its cells were taken back (``LlamaEngine._make_room``): it will read again what it held
+        and the token it sampled last, as its prompt, then sample on from there (``produced`` and
+        ``max_tokens`` count from then)."""
+        if self.next_token is not None:
+            self.prompt = np.asarray([*self.held, self.next_token], dtype=np.int32)
+            self.max_tokens -= self.produced
+            self.produced = 0
+        self.held, self.runs, self.exact, self.share = [], [], 0, 0
+        self.started, self.next_token = False, None
 
     def free(self) -> None:
         self.sampler.free()
@@ -233,15 +244,18 @@ TYPICAL_SEQUENCE = 2048  # cells a default batch plans per sequence when memory 
 
 
 def plan_pool(n_ctx_seq: int, cell_bytes: int, free_bytes: int, gpu: bool,
-              requested: int | None) -> tuple[int, int]:
+              requested: int | None, overcommit: bool = False) -> tuple[int, int]:
     """``(max_batch, pool cells)``: the KV pool holds ``max_batch`` full contexts when half of the
-    free memory allows, else what that half holds, and never less than one context. Without a
-    request, max_batch is the device's cap, or fewer when the pool cannot give each sequence
+    free memory allows, else what that half holds, and never less than one context; with
+    ``overcommit`` (sequences may be preempted when the pool fills, see ``LlamaEngine``)
+    ``max_batch`` times :data:`TYPICAL_SEQUENCE` cells instead of full contexts. Without a request,
+    max_batch is the device's cap, or fewer when the pool cannot give each sequence
     :data:`TYPICAL_SEQUENCE` cells (or its whole context if shorter)."""
     budget = free_bytes // 2 // max(1, cell_bytes)
+    typical = min(n_ctx_seq, TYPICAL_SEQUENCE)
     if requested:
         max_batch = requested
     else:
         cap = MAX_BATCH_GPU if gpu else MAX_BATCH_CPU
-        max_batch = max(1, min(cap, budget // min(n_ctx_seq, TYPICAL_SEQUENCE)))
-    return max_batch, max(n_ctx_seq, min(max_batch * n_ctx_seq, budget))
+        max_batch = max(1, min(cap, budget // typical))
+    return max_batch, max(n_ctx_seq, min(max_batch * (typical if overcommit else n_ctx_seq), budget))
