@@ -505,8 +505,9 @@ class LlamaEngine(Engine):
         return False
 
     def _free_cells(self, exclude: Slot | None = None) -> int:
-        """Cells neither held nor promised: every running slot may still grow to its prompt and
-        max_tokens (retired cells count as held). With streams: a newcomer's whole stream."""
+        """Cells neither held nor promised: every running slot may still grow to its prompt, and
+        without overcommit its max_tokens (retired cells count as held). With streams: a newcomer's
+        whole stream."""
         if self._streams:
             return self._n_ctx_seq
         growth = sum(s.growth(not self._overcommit) for s in self._slots.values() if s is not exclude)
