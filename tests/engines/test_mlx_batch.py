@@ -302,11 +302,14 @@ def test_admission_stops_at_max_batch_and_at_the_memory_the_kv_needs(smollm):
         engine.remove(seq)
     assert engine.score(prompt).shape == (len(prompt), engine.tokenizer.vocab_size)
     # A context of 4M tokens: SmolLM2's float32 KV (46 KB a token) for one full sequence is more
-    # memory than this machine (or an H200) has.
+    # memory than this machine (or an H200) has. By default the context shrinks to what one
+    # sequence's KV, reserved twice, fits; asked for with ctx_size, it stands, and a sequence that
+    # would need more than the engine's memory is refused.
     default = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000, EngineOptions(), {}, "safetensors")
-    assert default.max_batch == 1
-    huge = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000, EngineOptions(max_batch=4), {},
-                     "safetensors")
+    assert default.max_batch == 1 and default.info().context_length < 4_000_000
+    huge = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000,
+                     EngineOptions(max_batch=4, ctx_size=4_000_000), {}, "safetensors")
+    assert huge.info().context_length == 4_000_000
     with pytest.raises(EngineError, match="KV"):
         huge.add(0, prompt, SamplingParams(temperature=0), 3_999_000)
     huge.add(0, prompt, SamplingParams(temperature=0), 100)
