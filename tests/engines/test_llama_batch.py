@@ -297,6 +297,15 @@ def test_a_full_pool_preempts_the_newest_sequence_which_reads_again_and_answers_
         assert all(len(batch[k]) == n for k in work)
         print(f"\n{preempted} preemptions in a pool of {pool} cells; streams parted from their solo runs "
               f"at {parted}")
+        # the newest again, under a constraint: told of each of its tokens once, across its preemption
+        digits = engine.tokenizer.encode("0 1 2 3 4 5 6 7 8 9", add_special_tokens=False)
+        constraint = AllowOnly(digits, engine.tokenizer.vocab_size)
+        work[3] = (prompts[7], SamplingParams(temperature=0, constraint=constraint), n, 3)
+        before = engine.cache_stats()["kv_preemptions"]
+        batch = drive(engine, work)
+        assert engine.cache_stats()["kv_preemptions"] > before
+        assert len(batch[3]) == n and all(s.token in digits for s in batch[3])
+        assert constraint.seen == [s.token for s in batch[3]]
     finally:
         engine.close()
 
