@@ -7,8 +7,12 @@ gives every prompt the same document and a different ending, with the prompt cac
 KV cells held once every sequence has its first token, and the times. ``--attention`` times raw
 llama.cpp passes with the engine's CPU attention (flash attention over bfloat16 cells, which keeps a
 sequence's numbers independent of its batch) against float16 cells without flash attention.
+``--kv-cells 0,N`` runs the streams in engines with KV pools of those sizes (0: the engine's own),
+the prompt cache on as when serving, taking turns run by run: a pool too small for every sequence's
+whole length makes the engine preempt (``kv_preemptions``), and the times show what that costs.
 
     .venv/bin/python benchmarks/llama_batch.py --streams 1,8 --runs 3 [--model X.gguf] [--share] [--attention]
+    .venv/bin/python benchmarks/llama_batch.py --streams 4 --prompt-tokens 256 --tokens 512 --kv-cells 0,1024
 """
 
 from __future__ import annotations
@@ -118,6 +122,29 @@ def attention(path: Path, threads: int, runs: int) -> dict:
             for name in settings}
 
 
+def pools(path: Path, args, streams: list[int]) -> dict:
+    """The same streams in engines of each ``--kv-cells`` pool size, taking turns run by run."""
+    engines = {int(c): LlamaEngine.load(path, EngineOptions(ctx_size=args.ctx_size, threads=args.threads,
+                                                            max_batch=max(streams)), kv_cells=int(c) or None)
+               for c in args.kv_cells.split(",")}
+    out = {}
+    for n in streams:
+        runs = {cells: [] for cells in engines}
+        for salt in range(args.runs):
+            for cells, engine in engines.items():
+                before = engine.cache_stats()["kv_preemptions"]
+                run = run_streams(engine, prompts_for(engine, n, args.prompt_tokens, 0, salt), args.tokens)
+                runs[cells].append({**run, "preemptions": engine.cache_stats()["kv_preemptions"] - before})
+        for cells, engine in engines.items():
+            key = f"{n} streams, pool of {engine.cache_stats()['kv_cells']} cells"
+            out[key] = {k: statistics.median(r[k] for r in runs[cells]) for k in runs[cells][0]
+                        if runs[cells][0][k] is not None}
+            print(key, json.dumps(out[key]), flush=True)
+    for engine in engines.values():
+        engine.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
@@ -129,12 +156,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--share", action="store_true")
     parser.add_argument("--attention", action="store_true")
+    parser.add_argument("--kv-cells", default=None, help="pool sizes to alternate, e.g. 0,1024 (0: the default)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     path = args.model or default_gguf()
     streams = [int(n) for n in args.streams.split(",")]
     result = {"model": str(path), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "runs": {}}
-    for cache in ((1 << 30, 0) if args.share else (0,)):
+    if args.kv_cells:
+        result["runs"] = pools(path, args, streams)
+    for cache in (() if args.kv_cells else (1 << 30, 0) if args.share else (0,)):
         engine = LlamaEngine.load(path, EngineOptions(ctx_size=args.ctx_size, threads=args.threads,
                                                       max_batch=max(streams), cache_bytes=cache))
         result["info"] = engine.info().details

@@ -35,6 +35,7 @@ from tiny_gguf import write_tiny_gguf
 TINY_TOLERANCE = 5e-3  # F16 weights: a one-row pass skips llamafile sgemm; measured at most 1.0e-3
 GPU_TOLERANCE = 0.5  # on a GPU nothing is claimed bitwise (not yet measured there)
 F16_TOLERANCE = 0.5  # float16 KV cells on a CPU: measured at most 0.27 (the 190-token prompt)
+GREEDY = SamplingParams(temperature=0)
 BUDGET = 48  # prompt tokens per step: prefill spreads over steps, so newcomers join mid-prefill
 OPTIONS = EngineOptions(ctx_size=1024, threads=1, max_batch=8, cache_bytes=0, deterministic=True)
 
@@ -306,6 +307,32 @@ def test_a_full_pool_preempts_the_newest_sequence_which_reads_again_and_answers_
         assert engine.cache_stats()["kv_preemptions"] > before
         assert len(batch[3]) == n and all(s.token in digits for s in batch[3])
         assert constraint.seen == [s.token for s in batch[3]]
+    finally:
+        engine.close()
+
+
+def test_sequences_preempted_together_start_again_oldest_first(default_gguf):
+    """Four long answers in a pool that holds about two of them: once the first ends, the others
+    have all been preempted and hold nothing. The oldest starts again, then the next, and each gets
+    all its tokens (before, each waited on the cells promised to the others' prompts: none started
+    and every step was empty, forever)."""
+    options = EngineOptions(ctx_size=512, threads=1, max_batch=4, prefill_step=64)
+    engine = LlamaEngine.load(default_gguf, options, kv_cells=600)
+    try:
+        text = engine.tokenizer.encode(LONG, add_special_tokens=False)
+        got, steps, empty = {seq: 0 for seq in range(4)}, 0, 0
+        for seq in got:
+            engine.add(seq, text[seq * 7:][:100], GREEDY, 300)
+        while got and steps < 3000:
+            out = engine.step(BUDGET)
+            steps, empty = steps + 1, empty + (not out)
+            for seq, _ in out:
+                got[seq] += 1
+                if got[seq] == 300:
+                    engine.remove(seq)
+                    del got[seq]
+        assert not got, f"sequences {sorted(got)} never finished ({empty} empty steps of {steps})"
+        assert engine.cache_stats()["kv_preemptions"] >= 2 and engine.cache_stats()["kv_cells_used"] == 0
     finally:
         engine.close()
 

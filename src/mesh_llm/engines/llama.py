@@ -367,7 +367,7 @@ class LlamaEngine(Engine):
     def _plan_prefill(self, work: list, budget: int, patient: bool) -> None:
         """Add the next prompt chunk of each sequence still reading its prompt, oldest first, while
         the batch and ``budget`` have room."""
-        batch = self._batch
+        batch, blocked = self._batch, False
         for slot in self._slots.values():
             room = min(budget, batch.capacity - batch.n)
             if room < 2:
@@ -376,7 +376,10 @@ class LlamaEngine(Engine):
                 return
             if slot.next_token is not None or (slot.started and not slot.prefilling):
                 continue
-            if not slot.started and not self._start(slot, patient):
+            if not slot.started and (blocked or not self._start(slot, patient)):
+                # overcommit promises no waiting slot its cells: the first that cannot start keeps
+                # later ones from taking them first, so a long prompt is not starved
+                blocked = self._overcommit
                 continue
             pos, stop = len(slot.held), len(slot.prompt)
             if self._overcommit:
@@ -505,12 +508,17 @@ class LlamaEngine(Engine):
         return False
 
     def _free_cells(self, exclude: Slot | None = None) -> int:
-        """Cells neither held nor promised: every running slot may still grow to its prompt, and
-        without overcommit its max_tokens (retired cells count as held). With streams: a newcomer's
-        whole stream."""
+        """Cells neither held nor promised: every slot may still grow to its prompt and max_tokens
+        (retired cells count as held). With overcommit only started slots' prompts are promised:
+        a waiting one's would keep every waiting slot from starting once the pool is short (each
+        preempted sequence waited on the others' promises, none held a cell, and nothing ran).
+        With streams: a newcomer's whole stream."""
         if self._streams:
             return self._n_ctx_seq
-        growth = sum(s.growth(not self._overcommit) for s in self._slots.values() if s is not exclude)
+        if self._overcommit:
+            growth = sum(s.growth(answer=False) for s in self._slots.values() if s is not exclude and s.started)
+        else:
+            growth = sum(s.growth() for s in self._slots.values() if s is not exclude)
         return self._free_now() - growth
 
     def _headroom(self, slot: Slot) -> int:
