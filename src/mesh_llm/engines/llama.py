@@ -324,7 +324,7 @@ class LlamaEngine(Engine):
         if self._overcommit:
             self._make_room(self._decoding())
         for slot in slots:  # one token for each decoding sequence, first
-            if slot.next_token is not None and slot.produced < slot.max_tokens:
+            if slot.decoding:
                 work.append((slot, [slot.next_token], batch.add(slot.id, [slot.next_token], len(slot.held), True)))
         decoding = len(work)
         self._plan_prefill(work, max(2, prefill_budget), patient=True)
@@ -530,7 +530,7 @@ class LlamaEngine(Engine):
         return min(slot.max_tokens, 32 * (1 + self._decoding()))
 
     def _decoding(self) -> int:
-        return sum(s.next_token is not None and s.produced < s.max_tokens for s in self._slots.values())
+        return sum(s.decoding for s in self._slots.values())
 
     def _free_now(self) -> int:
         """Cells no sequence holds now (promised ones included)."""
@@ -555,7 +555,7 @@ class LlamaEngine(Engine):
         then samples on where it stopped. False when no other sequence holds cells."""
         oldest = next(iter(self._slots.values()), None)
         victim = next((s for s in reversed(self._slots.values())
-                       if s.started and s is not oldest and (s.next_token is None or s.produced < s.max_tokens)),
+                       if s.started and s is not oldest and (s.decoding or s.next_token is None)),
                       None)
         if victim is None:
             return False

@@ -187,6 +187,11 @@ class Slot:
         self.runs: list[list] = []  # [Run, end] in position order; the last is its own, growing
 
     @property
+    def decoding(self) -> bool:
+        """It has a sampled token to feed and may still answer."""
+        return self.next_token is not None and self.produced < self.max_tokens
+
+    @property
     def prefilling(self) -> bool:
         return self.started and len(self.held) < len(self.prompt)
 
