@@ -23,6 +23,7 @@
 #   4. carry []                 bash benchmarks/gpu_session.sh conc-mlx-lm   # mlx_lm.server (at most 6 min)
 #   5. carry []                 bash benchmarks/gpu_session.sh conc-llama    # llama-server, mesh-llama, merged
 #                                                                            # report and table (at most 8 min)
+#      (LLAMA_BACKENDS=llama-server, or mesh-llama with TAG=-mesh: one of the two, in calls of their own)
 #      (alone, after 1 with no MLX step: carry [".device/elf", ".device/b/extra"], the server stack)
 #      The server imports llguidance and the llama engine's load order needs pyelftools: copy
 #      .device/x/llguidance-*.whl into .device/b/extra/ (install-mlx.sh installs it) and
@@ -640,8 +641,8 @@ conc-llama)
   mkdir -p "$conc"
   LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
   timeout 120 python3 benchmarks/gpu_llama_import.py "$models/qwen2.5-0.5b.gguf" --quick 2>&1 | grep exit || true
-  [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" llama-server,mesh-llama "${LLAMA_BUDGET_05:-240}"
-  [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 llama-server,mesh-llama 180
+  [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" "${LLAMA_BACKENDS:-llama-server,mesh-llama}" "${LLAMA_BUDGET_05:-240}"
+  [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 "${LLAMA_BACKENDS:-llama-server,mesh-llama}" 180
   # one report of every concurrency run of this session (the llama runs first: their machine notes
   # name the llama-server build), its table printed last
   mapfile -t runs < <(ls -d "$conc"/*-conc-llama "$conc"/*-conc-mlx "$conc"/*-conc-mlx-lm 2>/dev/null)

@@ -42,7 +42,7 @@ class ServeConfig:
     threads: int | None = None
     max_queue: int = 64
     max_batch: int | None = None  # sequences decoded together; None: the engine's choice
-    prefill_step: int | None = None  # prompt tokens a sequence reads per pass; None: EngineOptions'
+    prefill_step: int | None = None  # prompt tokens a sequence reads per pass; None: the engine's
     max_body_bytes: int | None = None  # largest request body; None: the API's (8 MiB)
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
     cache_entries: int = 64
@@ -109,14 +109,13 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
                             cache_bytes=config.cache_bytes, cache_entries=config.cache_entries,
                             max_batch=config.max_batch, warm_up=config.warm_up,
                             deterministic=config.deterministic,
-                            prefill_step=config.prefill_step or EngineOptions.prefill_step)
+                            prefill_step=config.prefill_step)
     workers = []
     for plan in plans:
         cls = engine_class(plan.engine)
         progress = progress_factory(plan) if progress_factory else None
         worker = ModelWorker(plan.id, lambda cls=cls, plan=plan, progress=progress:
-                             cls.load(plan.path, options, progress), max_queue=config.max_queue,
-                             prefill_budget=options.prefill_step)
+                             cls.load(plan.path, options, progress), max_queue=config.max_queue)
         worker.start()
         workers.append(worker)
     return workers

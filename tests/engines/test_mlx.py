@@ -218,6 +218,7 @@ def test_info(engines):
         assert info.backend in ("cuda", "metal")
         assert info.details["dtype"] == "float16"
     assert info.context_length == 256
+    assert info.prefill_step == 4  # as given (the fixture's); the worker reads prompts in such chunks
     assert info.memory_bytes > 0
     assert info.details["source_dtype"] == "float16"
     assert info.details["quantization"] == "none"
@@ -408,6 +409,8 @@ def test_the_default_context_is_what_memory_holds(monkeypatch):
         pool = int(free * mlx_module.MEMORY_SHARE)
         n_ctx = info.context_length
         assert n_ctx % 256 == 0 and n_ctx < 8192
+        # none given: the engine's own (a 640-token prompt in one pass on a GPU: engines/mlx.py)
+        assert info.prefill_step == (mlx_module.GPU_PREFILL_STEP if info.device == "gpu" else 512)
         assert 2 * per_token * n_ctx <= pool < 2 * per_token * (n_ctx + 256)
         assert len(list(engine.generate([1, 2, 3], GREEDY, max_tokens=4))) == 4
         unbounded = engine.generate([1, 2, 3], GREEDY)  # reserves the whole context: refused before

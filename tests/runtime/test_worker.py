@@ -191,3 +191,26 @@ def test_each_admission_and_step_is_logged_at_debug_level(worker, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any("prompt admitted after" in m for m in messages), messages
     assert sum(" decoding, " in m and "ms, budget" in m for m in messages) >= 3, messages
+
+
+def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog):
+    """Without a budget of its own the worker reads as many prompt tokens a step as the engine's
+    chunk (``EngineInfo.prefill_step``, which an engine may choose: 1,024 tokens for MLX on a GPU),
+    four chunks where nothing decodes yet; an explicit ``--prefill-step`` reaches both."""
+    from mesh_llm.engines.llama import LlamaEngine
+
+    options = EngineOptions(ctx_size=1024, max_batch=2, cache_bytes=0, prefill_step=48)
+    w = ModelWorker("chunks", lambda: LlamaEngine.load(default_gguf, options))
+    w.start()
+    try:
+        assert w.wait_ready(120) and w.ready, w.load_error
+        assert w.info.prefill_step == 48
+        c = Collector()
+        with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
+            w.submit(request(w, "Count to three:", max_tokens=3, ignore_eos=True), c)
+            assert c.final.finish_reason == "length"
+    finally:
+        w.stop()
+    budgets = {int(m.split("budget ")[1].split(":")[0]) for m in (r.getMessage() for r in caplog.records)
+               if "ms, budget" in m}
+    assert budgets == {48, 4 * 48}, budgets

@@ -38,11 +38,12 @@ class NoCapacity(Exception):
     that holds no sequence raises :class:`EngineError` instead for one that will never fit."""
 
 
-# On a GPU, prompt chunks (``EngineOptions.prefill_step`` tokens each) one step reads while other
-# sequences decode (2,048 tokens by default, as llama-server's n_batch): a pass over several
+# On a GPU, prompt chunks (``EngineInfo.prefill_step`` tokens each) one step reads while other
+# sequences decode (2,048 tokens on the llama engine, as llama-server's n_batch): a pass over several
 # newcomers' chunks costs little more than over one (MESH_LLM_GPU_PREFILL_CHUNKS: another count, to
 # compare)
 GPU_PREFILL_CHUNKS = int(os.environ.get("MESH_LLM_GPU_PREFILL_CHUNKS") or 4)
+PREFILL_STEP = 512  # prompt tokens of one sequence a forward pass reads, unless an engine knows better
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class EngineOptions:
     ctx_size: int | None = None  # None: the model's own trained context length
     quantize: int | None = None  # 4 or 8: quantize on load (MLX on a GPU only)
     threads: int | None = None  # None: the number of physical cores
-    prefill_step: int = 512  # prompt tokens evaluated per forward pass during prefill
+    prefill_step: int | None = None  # prompt tokens of one sequence per forward pass; None: the engine's
     cache_bytes: int | None = None  # prompt cache budget; None: from free memory at load; 0: off
     cache_entries: int = 64  # most states the prompt cache keeps
     max_batch: int | None = None  # sequences decoded together; None: chosen from device and memory
@@ -125,6 +126,7 @@ class EngineInfo:
     model_format: str  # "safetensors" or "gguf"
     context_length: int
     memory_bytes: int  # weights plus what the engine has allocated so far
+    prefill_step: int = PREFILL_STEP  # prompt tokens of one sequence a forward pass reads
     details: dict[str, str] = field(default_factory=dict)  # dtype, quantization, threads, ...
 
 
@@ -205,7 +207,7 @@ class Engine(abc.ABC):
     def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
         """One forward pass over every sequence held: the next chunk of prompt for sequences still
         reading theirs (at most ``prefill_budget`` prompt tokens in all, each sequence's chunk at
-        most the engine's ``EngineOptions.prefill_step``; some progress whenever one is waiting),
+        most the engine's ``EngineInfo.prefill_step``; some progress whenever one is waiting),
         one token for each decoding sequence. Returns ``(seq, step)`` for each sequence that
         sampled a token, its first token once its prompt is read.
 

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from mesh_llm.engines import llama_cache
 from mesh_llm.engines.base import (
     GPU_PREFILL_CHUNKS,
+    PREFILL_STEP,
     Engine,
     EngineError,
     EngineInfo,
@@ -168,7 +169,7 @@ class LlamaEngine(Engine):
         if n_ctx_seq < trained and not options.ctx_size:
             log.warning("%s: context %d tokens of the model's %d, as much as half the free memory holds "
                         "(--ctx-size sets another)", path.name, n_ctx_seq, trained)
-        step = max(3, min(options.prefill_step, n_ctx_seq))
+        step = max(3, min(options.prefill_step or PREFILL_STEP, n_ctx_seq))
         whole = llama_cache.needs_checkpoints(model)  # their states resume whole: one pool
         # preempting a sequence moves where the others' next cells land, and with them the order
         # attention sums in: not where results must be bit for bit, nor for states resumed whole
@@ -229,6 +230,7 @@ class LlamaEngine(Engine):
             model_format="gguf",
             context_length=self._n_ctx_seq,
             memory_bytes=ll.llama_model_size(self._model) + kv_bytes,
+            prefill_step=self._step,
             details={
                 "architecture": str(self._meta.get("general.architecture")),
                 "quantization": quant.decode(),

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.base import (
+    PREFILL_STEP,
     Engine,
     EngineError,
     EngineInfo,
@@ -75,6 +77,12 @@ _CLEAR_EVERY = 256  # steps between returns of the allocator's cached buffers
 # Elsewhere padding only adds arithmetic.
 CUDA_PREFILL_BUCKET = 64
 WIDE_CHUNK = 512  # chunks over this many tokens are padded to four buckets (256 tokens on CUDA)
+# A sequence's prompt tokens per pass on a GPU (``--prefill-step`` otherwise): a 640-token prompt is
+# read in one pass, not two, and each pass costs the host its kernel count whatever its rows. On the
+# H200, 640-token prompts alternated with 512: 0.5B at 8 streams TTFT p50 110-182 ms against 183-312,
+# at 32 streams 4,172 / 4,351 tok/s against 3,644 / 4,192; the 7B shape even
+# (benchmarks/results/h200-20261205/). The warm-up reads ten padded widths, not eight (+0.1-0.2 s).
+GPU_PREFILL_STEP = 1024
 # Reading prompts together, a newcomer starts from a stored or running prefix only if it holds at
 # least this many tokens. Chat prompts that share only a template's first few tokens would otherwise
 # start at as many positions and be read in as many passes, each newcomer's prefix copied out first;
@@ -132,6 +140,8 @@ class MLXEngine(Engine):
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
         self._context = context_length
+        if options.prefill_step is None:
+            options = replace(options, prefill_step=GPU_PREFILL_STEP if on_gpu() else PREFILL_STEP)
         self._options = options
         self._details = details
         self._format = model_format
@@ -237,6 +247,7 @@ class MLXEngine(Engine):
             model_format=self._format,
             context_length=self._context,
             memory_bytes=max(params, mx.get_active_memory()),
+            prefill_step=self._options.prefill_step,
             details=dict(self._details),
         )
 

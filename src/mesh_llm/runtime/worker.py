@@ -150,11 +150,11 @@ class ModelWorker:
     """Loads an engine on its own thread and serves generations from a bounded queue, batched."""
 
     def __init__(self, name: str, load: Callable[[], Engine], max_queue: int = 64,
-                 prefill_budget: int = 512):
+                 prefill_budget: int | None = None):
         self.name = name
         self._load = load
         self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
-        self._prefill_budget = max(1, prefill_budget)
+        self._prefill_budget = prefill_budget  # None: the engine's prefill step
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._wake = threading.Event()  # set when a job is queued or the worker must stop
@@ -239,6 +239,7 @@ class ModelWorker:
             self.load_error = exc
             self._ready.set()
             return
+        self._prefill_budget = max(1, self._prefill_budget or self.info.prefill_step)
         if self.info.device == "cpu":
             # a CPU reads ~100-500 prompt tokens a second: smaller chunks while streams run, so that
             # their next token is never more than about a second away
