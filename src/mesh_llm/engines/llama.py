@@ -164,8 +164,9 @@ class LlamaEngine(Engine):
         free = (gpu_free_memory() if gpu else None)
         if free is None:
             free = max(0, available_memory() - ll.llama_model_size(model))
+        kv_bytes = free // 2  # what the KV may take: half the memory free beyond the weights
         trained = ll.llama_model_n_ctx_train(model)
-        n_ctx_seq = options.ctx_size or fit_context(trained, lambda n: n * cell_bytes, free // 2)
+        n_ctx_seq = options.ctx_size or fit_context(trained, lambda n: n * cell_bytes, kv_bytes)
         if n_ctx_seq < trained and not options.ctx_size:
             log.warning("%s: context %d tokens of the model's %d, as much as half the free memory holds "
                         "(--ctx-size sets another)", path.name, n_ctx_seq, trained)
@@ -174,14 +175,14 @@ class LlamaEngine(Engine):
         # preempting a sequence moves where the others' next cells land, and with them the order
         # attention sums in: not where results must be bit for bit, nor for states resumed whole
         overcommit = not (options.deterministic or whole)
-        max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, free, gpu, options.max_batch, overcommit)
+        max_batch, pool = plan_pool(n_ctx_seq, cell_bytes, kv_bytes, gpu, options.max_batch, overcommit)
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
         if streams is None:
             setting = os.environ.get("MESH_LLM_KV_STREAMS")
             streams = gpu if setting is None else setting == "1"
-            # every stream holds a whole context: retired ones only as far as half the free memory allows
-            fit = free // 2 // max(1, cell_bytes) // n_ctx_seq - max_batch
+            # every stream holds a whole context: retired ones only as far as the KV's share allows
+            fit = kv_bytes // max(1, cell_bytes) // n_ctx_seq - max_batch
             streams = streams and not kv_cells and fit >= 0 and not whole
             n_seq_max = min(n_seq_max, max_batch + max(0, fit)) if streams else n_seq_max
         streams = streams and not whole

@@ -248,15 +248,15 @@ MAX_BATCH_CPU, MAX_BATCH_GPU = 8, 32
 TYPICAL_SEQUENCE = 2048  # cells a default batch plans per sequence when memory is short
 
 
-def plan_pool(n_ctx_seq: int, cell_bytes: int, free_bytes: int, gpu: bool,
+def plan_pool(n_ctx_seq: int, cell_bytes: int, kv_bytes: int, gpu: bool,
               requested: int | None, overcommit: bool = False) -> tuple[int, int]:
-    """``(max_batch, pool cells)``: the KV pool holds ``max_batch`` full contexts when half of the
-    free memory allows, else what that half holds, and never less than one context; with
+    """``(max_batch, pool cells)``: the KV pool holds ``max_batch`` full contexts when ``kv_bytes``
+    (the memory the KV may take) allows, else what those bytes hold, and never less than one context; with
     ``overcommit`` (sequences may be preempted when the pool fills, see ``LlamaEngine``)
     ``max_batch`` times :data:`TYPICAL_SEQUENCE` cells instead of full contexts. Without a request,
     max_batch is the device's cap, or fewer when the pool cannot give each sequence
     :data:`TYPICAL_SEQUENCE` cells (or its whole context if shorter)."""
-    budget = free_bytes // 2 // max(1, cell_bytes)
+    budget = kv_bytes // max(1, cell_bytes)
     typical = min(n_ctx_seq, TYPICAL_SEQUENCE)
     if requested:
         max_batch = requested
