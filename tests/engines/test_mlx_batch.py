@@ -306,7 +306,22 @@ def test_admission_stops_at_max_batch_and_at_the_memory_the_kv_needs(smollm):
     # sequence's KV, reserved twice, fits; asked for with ctx_size, it stands, and a sequence that
     # would need more than the engine's memory is refused.
     default = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000, EngineOptions(), {}, "safetensors")
-    assert default.max_batch == 1 and default.info().context_length < 4_000_000
+    n_ctx = default.info().context_length
+    assert n_ctx < 4_000_000
+    # One whole context fills the engine's memory, yet the batch is sized for typical sequences:
+    # those that say how long they may grow are decoded together, and one that may fill the context
+    # (no max_tokens) waits until it can run alone.
+    assert default.max_batch > 2
+    for seq in (0, 1):
+        default.add(seq, prompt, SamplingParams(temperature=0), 100)
+    with pytest.raises(NoCapacity, match="KV"):
+        default.add(2, prompt, SamplingParams(temperature=0), n_ctx - len(prompt))
+    assert {seq for seq, _ in default.step(64)} | {seq for seq, _ in default.step(64)} == {0, 1}
+    for seq in (0, 1):
+        default.remove(seq)
+    default.add(2, prompt, SamplingParams(temperature=0), n_ctx - len(prompt))
+    assert [seq for seq, _ in default.step(64)] + [seq for seq, _ in default.step(64)] != []
+    default.remove(2)
     huge = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000,
                      EngineOptions(max_batch=4, ctx_size=4_000_000), {}, "safetensors")
     assert huge.info().context_length == 4_000_000

@@ -62,6 +62,7 @@ class EngineOptions:
 
 
 CONTEXT_STEP = 256  # a context fitted to memory is a multiple of this many tokens
+TYPICAL_SEQUENCE = 2048  # tokens a default batch size plans per sequence (prompt and answer)
 
 
 def fit_context(trained: int, needs: Callable[[int], int], budget: int) -> int:

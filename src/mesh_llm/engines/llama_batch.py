@@ -19,7 +19,7 @@ import logging
 import llama_cpp.llama_cpp as ll
 import numpy as np
 
-from mesh_llm.engines.base import SamplingParams, Step
+from mesh_llm.engines.base import TYPICAL_SEQUENCE, SamplingParams, Step
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,6 @@ def cells_in_use(slots) -> int:
 # Sequences decoded together when not asked for: past these, decode steps stop gaining on our CPUs
 # (2 cores) and the H200's (llama-server's 32 streams: 1,392 tok/s against 1,233 for 8).
 MAX_BATCH_CPU, MAX_BATCH_GPU = 8, 32
-TYPICAL_SEQUENCE = 2048  # cells a default batch plans per sequence when memory is short
 
 
 def plan_pool(n_ctx_seq: int, cell_bytes: int, kv_bytes: int, gpu: bool,

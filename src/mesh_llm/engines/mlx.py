@@ -39,6 +39,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.base import (
     PREFILL_STEP,
+    TYPICAL_SEQUENCE,
     Engine,
     EngineError,
     EngineInfo,
@@ -602,8 +603,14 @@ class MLXEngine(Engine):
         return 2 * self._footprint.bytes(tokens)
 
     def _default_max_batch(self) -> int:
+        """The device's cap, or fewer where the pool cannot reserve :data:`TYPICAL_SEQUENCE` tokens
+        (or the whole context if shorter) for each. Not whole contexts: where the context is sized to
+        memory (``fit_context``) that would be one sequence, and requests that say how much they
+        want would never batch. Admission still reserves what the sequences may reach (``_reserved``):
+        requests without ``max_tokens`` wait for one another rather than outgrow the pool."""
         cap = MAX_BATCH_GPU if self._pipelined else MAX_BATCH_CPU
-        return max(1, min(cap, self._pool // self._footprint_bytes(self._context)))
+        typical = min(self._context, TYPICAL_SEQUENCE)
+        return max(1, min(cap, self._pool // self._footprint_bytes(typical)))
 
     def _resize_prompt_cache(self) -> None:
         """The prompt cache keeps what the live sequences leave of the engine's memory."""
