@@ -117,6 +117,15 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(engine):
     assert tokens(run(engine, prompt, huge)) == tokens(run(engine, prompt, huge))
 
 
+@pytest.mark.parametrize("temperature", [2e-38, 1e-40, 1e-6])
+def test_a_temperature_too_small_to_divide_by_samples_the_greedy_tokens(engine, temperature):
+    """Logits divided by ~1e-38 overflow float32: llama.cpp's chain then returned one fixed token
+    with logprob -22 whatever the logits. Under GREEDY_BELOW (as vLLM) a request is greedy."""
+    prompt = chat_ids(engine, FRANCE)
+    greedy = tokens(run(engine, prompt, GREEDY, n=8))
+    assert tokens(run(engine, prompt, SamplingParams(temperature=temperature, seed=5), n=8)) == greedy
+
+
 def test_unseeded_sampling_varies(engine):
     prompt = chat_ids(engine, STORY)
     params = SamplingParams(temperature=1.5)

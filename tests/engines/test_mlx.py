@@ -148,6 +148,15 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(engines, prompt):
     assert run(-3) == run(-3)  # any int is a seed
 
 
+@pytest.mark.parametrize("temperature", [2e-38, 1e-40, 1e-6])
+def test_a_temperature_too_small_to_divide_by_samples_the_greedy_tokens(temperature, engines, prompt):
+    """1 / 1e-40 is inf in float32, and inf times the logits picked the first positive one."""
+    engine = engines["qwen3"]
+    greedy = [s.token for s in take(engine.generate(prompt, GREEDY), 6)]
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert [s.token for s in take(engine.generate(prompt, params), 6)] == greedy
+
+
 @pytest.mark.parametrize("filters", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}])
 def test_filters_that_keep_one_token_sample_the_greedy_tokens(filters, engines, prompt):
     engine = engines["qwen3"]

@@ -94,10 +94,17 @@ class Constraint(Protocol):
         ...
 
 
+# Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: a draw there is the argmax anyway
+# (barring exact ties), and logits divided by ~1e-38 overflow float32 (llama.cpp's sampler chain then
+# returned one fixed token whatever the logits).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy; ``logprobs`` is the number of
-    alternatives to report per token (0: only the chosen token's), None for no logprobs."""
+    """Per-request sampling. A ``temperature`` of 0 (or under :data:`GREEDY_BELOW`) is greedy;
+    ``logprobs`` is the number of alternatives to report per token (0: only the chosen token's),
+    None for no logprobs."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -106,6 +113,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     constraint: Constraint | None = field(default=None, compare=False)  # per sequence, stateful
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

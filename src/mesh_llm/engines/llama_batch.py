@@ -86,7 +86,7 @@ class Sampler:
         self.chain = None  # greedy: numpy's argmax, the first maximum as llama.cpp's greedy sampler
         # takes it, without copying the whole row into llama.cpp's candidates (0.25 ms a row at a
         # 152k vocabulary, every sequence of every step)
-        if params.temperature > 0:
+        if not params.greedy:
             self.chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
             for sampler in _samplers(params):
                 ll.llama_sampler_chain_add(self.chain, sampler)  # the chain owns and frees them

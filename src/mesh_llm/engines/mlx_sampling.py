@@ -55,7 +55,7 @@ class SequenceSampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature == 0
+        return self.params.greedy
 
 
 class RowSettings:
@@ -73,8 +73,7 @@ class RowSettings:
         if not self.sampled:
             return
         self.is_greedy = mx.array(self.greedy)
-        self.inv_temperature = mx.array([1 / p.temperature if p.temperature else 1.0
-                                         for p in params])[:, None]
+        self.inv_temperature = mx.array([1.0 if p.greedy else 1 / p.temperature for p in params])[:, None]
         top_p = [p.top_p if 0 < p.top_p < 1 else 1.0 for p in params]
         self.top_p = mx.array(top_p)[:, None] if min(top_p) < 1 else None
         self.uses_top_p = mx.array([p < 1 for p in top_p])[:, None]
