@@ -201,6 +201,9 @@ BAD = [
     ("responses: malformed schema", RESPONSES, {"input": "Hi", "text": {"format": {
         "type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
     ("responses: reasoning", RESPONSES, {"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ("responses: a schema with type json_object", RESPONSES, {"input": "Hi", "text": {"format": {
+        "type": "json_object", "schema": {"type": "integer"}}}}, "text.format.schema"),
+    ("responses: verbosity", RESPONSES, {"input": "Hi", "text": {"verbosity": "low"}}, "text.verbosity"),
     # sampling fields other servers take and this one does not apply
     ("presence penalty", CHAT, {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
     ("vLLM's guided_json", CHAT, {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),
@@ -237,7 +240,13 @@ RAW = [  # bodies as sent: JSON lets a string hold a lone surrogate, which no to
     (CHAT, '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}' % MODEL, 400),
     ("/v1/completions", '{"model": "%s", "max_tokens": 2, "prompt": "\\udfff"}' % MODEL, 400),
     (RESPONSES, '{"model": "%s", "max_output_tokens": 2, "input": "x", "instructions": "\\ud800"}' % MODEL, 400),
-    (CHAT, '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', 404),  # quoted back
+    (CHAT, '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', 400),
+    # fields only echoed back: the whole generation ran, then the answer could not be encoded (streamed,
+    # the stream died after its 200)
+    (RESPONSES, '{"model": "%s", "input": "x", "metadata": {"a": "\\ud800"}, "stream": true}' % MODEL, 400),
+    (RESPONSES, '{"model": "%s", "input": "x", "text": {"format": {"type": "json_object", "name": "\\udc00"}}}'
+     % MODEL, 400),
+    (CHAT, '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "user": "\\ud83d"}' % MODEL, 400),
 ]
 
 
@@ -246,7 +255,9 @@ def test_lone_surrogates_are_refused(llama_server, path, body, status):
     response = httpx.post(llama_server.url + path, content=body.encode(), timeout=60,
                           headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
-    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "not valid Unicode" in error["message"], error
 
 
 def test_odd_but_harmless_requests(llama_server):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mesh_llm.api.errors import APIError, unsupported
-from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, check_tool_choice, refused
+from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, check_tool_choice, refuse_lone_surrogates, refused
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Sent by clients but harmless here (no reasoning output to include).
@@ -65,6 +65,11 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _choice(cls, value: Any) -> Any:
@@ -87,6 +92,14 @@ class ResponsesRequest(BaseModel):
         name = refused(self.model_extra, (*SAMPLING_REFUSED, "stop", "seed", "ignore_eos"))
         if name is not None:
             raise unsupported(name)
+        if self.text is not None:
+            fmt = self.text.format
+            if fmt is not None and fmt.type != "json_schema" and fmt.schema_ is not None:
+                raise APIError(400, f"text.format of type {fmt.type} takes no schema (it would not be "
+                               "applied); use type json_schema", param="text.format.schema")
+            verbosity = (self.text.model_extra or {}).get("verbosity")
+            if verbosity not in (None, "medium"):  # medium: OpenAI's default, how this server answers
+                raise unsupported("text.verbosity")
         for item in self.include or []:
             if item not in _HARMLESS_INCLUDE:
                 raise APIError(400, f"include '{item}' is not supported", param="include")

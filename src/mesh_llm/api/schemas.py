@@ -9,8 +9,41 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Stop = str | list[str] | None
+
+
+def _lone_surrogate(value: Any) -> list[str] | None:
+    """The path to a string holding a lone surrogate, or None (the path built only on a find)."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return []
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate(key) is not None:
+            return [key]
+        path = _lone_surrogate(item)
+        if path is not None:
+            return [str(key), *path]
+    return None
+
+
+def refuse_lone_surrogates(data: Any) -> Any:
+    """A ``mode="before"`` check of a whole request: JSON lets a string hold a lone surrogate
+    (``"\\ud800"``), which no tokenizer can encode and no answer can carry back. Refused before anything
+    runs, whichever field holds it (one only echoed back, like ``metadata``, failed after the whole
+    generation, or cut a stream)."""
+    path = _lone_surrogate(data)
+    if path is not None:
+        raise PydanticCustomError("invalid_unicode", "'{where}' holds text that is not valid Unicode (a lone "
+                                  "surrogate)", {"where": ".".join(path) or "body"})
+    return data
 
 
 class TextPart(BaseModel):
@@ -106,6 +139,11 @@ class SamplingFields(BaseModel):
     stop: Stop = None
     n: Annotated[int, Field(ge=1)] = 1
     ignore_eos: bool = False  # not OpenAI: generate exactly max_tokens (benchmarks)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
 
     @field_validator("stop")
     @classmethod
