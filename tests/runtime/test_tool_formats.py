@@ -232,6 +232,10 @@ def test_generic_stream(default_gguf):
         assert content == "" and [n for n, _, _ in calls] == ["get_weather", "get_time"]
         content, calls, _ = stream(tok, fmt.parser(), '{"response": "It is \\"sunny\\" \\u00e0 Nice.\\n"}')
         assert content == 'It is "sunny" à Nice.\n' and calls == []
+        # cut by max_tokens: the envelope never reaches content, a reply's words do
+        for cut in ('{"tool_call', '{"', ' {"respo', '{"tool_call": {"name": "get_wea'):
+            assert stream(tok, fmt.parser(), cut)[:2] == ("", []), cut
+        assert stream(tok, fmt.parser(), '{"response": "It is sun')[0] == "It is sun"
     finally:
         engine.close()
 

@@ -141,8 +141,8 @@ class GenericParser:
         return rest
 
     def finish(self) -> list[Event]:
-        if self._mode == "start":
-            events = self._content.text(self._buffer)
+        if self._mode == "start":  # cut before the envelope's key was whole ('{"tool_c'): markup
+            events = []
         elif isinstance(self._part, (CallStream, CallList)):
             events = self._part.finish()
         else:
