@@ -201,6 +201,9 @@ BAD = [
     ("responses: malformed schema", RESPONSES, {"input": "Hi", "text": {"format": {
         "type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
     ("responses: reasoning", RESPONSES, {"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ("a $ref loop", CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                "$ref": "#/$defs/a"}}}}, "response_format"),
     ("responses: a schema with type json_object", RESPONSES, {"input": "Hi", "text": {"format": {
         "type": "json_object", "schema": {"type": "integer"}}}}, "text.format.schema"),
     ("responses: verbosity", RESPONSES, {"input": "Hi", "text": {"verbosity": "low"}}, "text.verbosity"),
@@ -258,6 +261,23 @@ def test_lone_surrogates_are_refused(llama_server, path, body, status):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert "not valid Unicode" in error["message"], error
+
+
+def test_a_format_the_grammar_cannot_follow_is_an_error_not_a_reply(llama_server):
+    """Objects that must nest forever compile, then pass llguidance's limits two tokens in ('{"'):
+    a 400 saying so where nothing was sent, an error event in a stream, never "stop" with JSON that
+    does not parse."""
+    endless = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+               "$ref": "#/$defs/n"}
+    body = {"model": MODEL, "messages": USER, "max_tokens": 30, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": endless}}}
+    response = httpx.post(llama_server.url + CHAT, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "could not be followed" in response.json()["error"]["message"]
+    with httpx.stream("POST", llama_server.url + CHAT, json={**body, "stream": True}, timeout=60) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert "could not be followed" in json.loads(events[-2] if events[-1] == "[DONE]" else events[-1])["error"]["message"]
+    assert httpx.get(llama_server.url + "/health").json() == {"status": "ok"}
 
 
 def test_odd_but_harmless_requests(llama_server):

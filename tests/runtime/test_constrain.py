@@ -85,6 +85,30 @@ def test_a_grammar_that_does_not_compile(tokenizers):
         Grammars(tokenizers["llama"]).constraint(json_schema_grammar({"type": "objekt"}))
 
 
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+           "$ref": "#/$defs/n"}
+
+
+def test_a_grammar_with_no_first_token_is_refused_and_one_past_its_limits_says_so(tokenizers):
+    """A $ref loop compiles but has no first token: refused when the constraint is made (a 400).
+    Objects that must nest forever pass that, then fail on llguidance's limits two tokens in: the
+    mask allows only the end, and ``failed`` says why (the runtime answers an error, not "stop")."""
+    tok = tokenizers["llama"]
+    grammars = Grammars(tok)
+    with pytest.raises(GrammarError, match="does not compile"):
+        grammars.constraint(json_schema_grammar(LOOP))
+    constraint = grammars.constraint(json_schema_grammar(ENDLESS))
+    for _ in range(8):
+        mask = constraint.mask()
+        if constraint.failed:
+            break
+        constraint.advance(int(np.flatnonzero(mask)[0]))
+    assert constraint.failed and "Too many items" in constraint.failed
+    assert allowed(constraint) == set(tok.eos_token_ids)
+    assert Grammars(tok).constraint(json_schema_grammar(SCHEMA)).failed is None
+
+
 def test_closed_objects():
     schema = {"type": "object", "properties": {
         "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},

@@ -93,6 +93,12 @@ class Constraint(Protocol):
         """The sequence sampled ``token``."""
         ...
 
+    @property
+    def failed(self) -> str | None:
+        """Why the constraint gave up, allowing only an end of sequence (a grammar past its
+        resource limits), else None: the runtime then reports an error, not a finished reply."""
+        ...
+
 
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: a draw there is the argmax anyway
 # (barring exact ties), and logits divided by ~1e-38 overflow float32 (llama.cpp's sampler chain then

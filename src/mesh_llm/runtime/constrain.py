@@ -89,8 +89,10 @@ _SUBSCHEMAS = {"items", "prefixItems", "additionalProperties", "anyOf", "oneOf",
 
 class GrammarConstraint:
     """One sequence's matcher, as the engines' ``Constraint``: the allowed next tokens, then the token
-    chosen. A matcher that failed (it cannot happen through its own masks) allows only EOS, so the
-    generation ends instead of running on unconstrained."""
+    chosen. A matcher that failed allows only EOS, so the generation ends instead of running on
+    unconstrained, and says why in ``failed``. Its own masks keep it from failing on the model's
+    tokens; what remains is a grammar past llguidance's limits (a schema whose required objects
+    nest forever: "Too many items"; a pattern of a million repeats: "too many expressions")."""
 
     def __init__(self, matcher: llg.LLMatcher, vocab_size: int, eos_ids: frozenset[int]):
         self._matcher = matcher
@@ -98,9 +100,11 @@ class GrammarConstraint:
         self._bits = allocate_token_bitmask(1, vocab_size)
         self._eos_only = np.zeros(vocab_size, dtype=bool)
         self._eos_only[[t for t in eos_ids if t < vocab_size]] = True
+        self.failed: str | None = None
 
     def mask(self) -> np.ndarray:
         if self._matcher.is_error():
+            self.failed = _first_line(self._matcher.get_error())
             return self._eos_only
         fill_next_token_bitmask(self._matcher, self._bits)
         return np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[:self._vocab].view(bool)
@@ -113,6 +117,10 @@ class GrammarConstraint:
     def done(self) -> bool:
         """The grammar is complete: only an end-of-sequence token may follow."""
         return self._matcher.is_stopped()
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
 
 
 class Grammars:
@@ -134,8 +142,10 @@ class Grammars:
             if template is None:
                 lltok = self._token_table()
                 template = llg.LLMatcher(lltok, grammar, log_level=0)
+                if not template.is_error():  # the first mask: a $ref loop compiles, then fails here
+                    fill_next_token_bitmask(template, allocate_token_bitmask(1, lltok.vocab_size))
                 if template.is_error():
-                    raise GrammarError(f"the grammar does not compile: {template.get_error()}")
+                    raise GrammarError(f"the grammar does not compile: {_first_line(template.get_error())}")
                 self._compiled[grammar] = template
                 if len(self._compiled) > self._cache:
                     self._compiled.popitem(last=False)

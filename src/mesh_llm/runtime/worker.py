@@ -115,6 +115,7 @@ class _Sequence:
         self.count = 0
         self.cached = 0
         self.first_at: float | None = None
+        self.error: str | None = None  # why it ends in an error
 
     def usage(self, now: float) -> Usage:
         first = self.first_at or now
@@ -342,6 +343,10 @@ class ModelWorker:
             return "cancelled"
         s.count += 1
         if step.token in s.eos:
+            failed = getattr(s.job.request.params.constraint, "failed", None)
+            if failed:  # the constraint gave up: what came is not what was asked for
+                s.error = f"the requested format could not be followed: {failed}"
+                return "error"
             return "stop"
         text = s.detok.add(step.token)
         logprobs = ()
@@ -358,7 +363,9 @@ class ModelWorker:
     def _finish(self, seq: int, finish: str, now: float) -> None:
         s = self._active.pop(seq)
         usage = s.usage(now)
-        if finish != "cancelled":  # first: the client's answer does not wait for the engine's cleanup
+        if finish == "error":  # the request's own fault (its grammar): a 400 where nothing was sent yet
+            self._send(s.job, Chunk(finish_reason=finish, error=s.error, rejected=True, usage=usage))
+        elif finish != "cancelled":  # first: the client's answer does not wait for the engine's cleanup
             self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage))
         try:
             self._engine.remove(seq)
