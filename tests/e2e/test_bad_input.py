@@ -27,7 +27,17 @@ CASES = [
     ("content is a number", "POST", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
      400, "invalid_request_error", None),
     ("image part", "POST", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "invalid_request_error", None),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "invalid_request_error",
+     "messages.0.content.0.type"),  # the union's branch that got furthest, not "messages.0.content.str"
+    ("stop is a number", "POST", CHAT, {"model": MODEL, "messages": MSG, "stop": 5}, 400, "invalid_request_error",
+     "stop"),
+    ("empty body", "POST", CHAT, b"", 400, "invalid_request_error", None),
+    ("stream_options without stream", "POST", CHAT, {"model": MODEL, "messages": MSG,
+                                                     "stream_options": {"include_usage": True}}, 400,
+     "invalid_request_error", "stream_options"),
+    ("stored", "POST", CHAT, {"model": MODEL, "messages": MSG, "store": True}, 400, "invalid_request_error", "store"),
+    ("completion top_logprobs", "POST", TEXT, {"model": MODEL, "prompt": "a", "top_logprobs": 3}, 400,
+     "invalid_request_error", "top_logprobs"),
     ("negative temperature", "POST", CHAT, {"model": MODEL, "messages": MSG, "temperature": -0.5}, 400,
      "invalid_request_error", "temperature"),
     ("temperature is text", "POST", CHAT, {"model": MODEL, "messages": MSG, "temperature": "hot"}, 400,
@@ -84,7 +94,23 @@ def test_bad_request(server, name, method, path, body, status, etype, param):
         assert error["param"] == param
     if name in ("malformed json", "body is not utf-8"):
         assert error["code"] == "invalid_json", error
+    if name == "empty body":
+        assert "empty" in error["message"], error
     assert "Traceback" not in response.text
+
+
+def test_a_body_counted_past_the_limit_says_so_as_one_with_a_length_does(server):
+    """Sent in chunks (no Content-Length), an over-large body is counted as it comes: the same 413 and
+    code as one refused by its header."""
+    def chunks():
+        yield b'{"pad": "'
+        for _ in range(9):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    response = httpx.post(server.url + CHAT, content=chunks(), timeout=60, headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large"
 
 
 def test_still_healthy_after_bad_input(server):

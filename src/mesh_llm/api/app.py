@@ -173,11 +173,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", code="invalid_json")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # a value no branch of a union takes: the branch that got furthest says most ("list[TextPart]",
+        # 0, "type": "Input should be 'text'"), named without pydantic's branch tags
+        first = max(errors, key=lambda e: len(e.get("loc", ())), default=first)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
         param = ".".join(loc) or None
         message = first.get("msg", "invalid request")
         if first.get("type") == "missing":
-            message = f"the field '{param}' is required"
+            message = f"the field '{param}' is required" if param else "the request body is empty: send a JSON object"
         elif param:
             message = f"invalid value for '{param}': {message}"
         return error_response(400, message, param=param, code="invalid_value")
@@ -185,11 +188,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         headers = getattr(exc, "headers", None)
-        if exc.status_code == 400:  # FastAPI could not decode the body (bytes that are not UTF-8)
-            return error_response(400, "the request body is not valid JSON (UTF-8)", code="invalid_json",
-                                  headers=headers)
+        if exc.status_code == 400:  # FastAPI could not decode the body
+            return error_response(400, "the request body could not be read as JSON (bytes that are not UTF-8, "
+                                  "or nesting too deep)", code="invalid_json", headers=headers)
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_response(exc.status_code, message, headers=headers)
+        code = "request_too_large" if exc.status_code == 413 else None  # a body counted past the limit
+        return error_response(exc.status_code, message, code=code, headers=headers)
 
     @app.exception_handler(UnicodeEncodeError)
     async def _not_unicode(_: Request, exc: UnicodeEncodeError):
@@ -205,6 +209,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception):
         log.exception("unhandled error")
         return error_response(500, "internal server error", code="internal_error")
+
+
+def _union_branch(part) -> bool:
+    """A location part naming the branch of a union pydantic tried (``str``, ``list[TextPart]``)."""
+    return isinstance(part, str) and (part.endswith("]") or part in ("str", "int", "float", "bool", "dict", "list"))
 
 
 class _BodyLimit:

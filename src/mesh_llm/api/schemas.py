@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 Stop = str | list[str] | None
@@ -152,6 +152,13 @@ class SamplingFields(BaseModel):
             raise ValueError("at most 4 stop sequences are allowed")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # as OpenAI answers
+            raise ValueError("only allowed when stream is true")
+        return value
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -231,7 +238,7 @@ def check_tool_choice(value: Any, named: type[BaseModel]) -> Any:
 # Fields that would change the answer but are not served: a 400 rather than silence.
 CHAT_REFUSED = (*SAMPLING_REFUSED, "functions", "function_call", "audio", "modalities", "prediction",
                 "web_search_options", "suffix", "echo", "reasoning_effort", "verbosity",
-                "add_generation_prompt", "continue_final_message")
+                "add_generation_prompt", "continue_final_message", "store")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -261,7 +268,8 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] = False
     max_tokens: Annotated[int, Field(gt=0)] = 16  # OpenAI's default for completions, also for null
     REFUSED: ClassVar[tuple[str, ...]] = (*SAMPLING_REFUSED, "suffix", "response_format", "tools",
-                                          "tool_choice", "functions", "function_call", "messages")
+                                          "tool_choice", "functions", "function_call", "messages",
+                                          "top_logprobs")
 
     @field_validator("max_tokens", mode="before")
     @classmethod
