@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, \
+    model_validator
 
 from mesh_llm.api.errors import APIError, unsupported
 from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, check_tool_choice, refuse_lone_surrogates, refused
@@ -26,7 +27,7 @@ class FunctionTool(BaseModel):
     name: FunctionName | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class NamedFunctionChoice(BaseModel):
@@ -39,7 +40,7 @@ class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextConfig(BaseModel):
@@ -54,13 +55,13 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: str | NamedFunctionChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
-    max_output_tokens: Annotated[int, Field(gt=0)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    stream: bool = False
-    store: bool | None = None
+    max_output_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0
+    stream: StrictBool = False
+    store: StrictBool | None = None
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None

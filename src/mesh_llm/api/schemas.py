@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, \
+    field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 Stop = str | list[str] | None
@@ -103,7 +104,7 @@ class Message(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 def refused(extra: dict[str, Any] | None, names: tuple[str, ...]) -> str | None:
@@ -128,17 +129,17 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     REFUSED: ClassVar[tuple[str, ...]] = SAMPLING_REFUSED
     model: str
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(gt=0)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0  # not OpenAI, accepted as llama.cpp and vLLM do
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    seed: int | None = None
+    max_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=0)] = 0  # not OpenAI, accepted as llama.cpp and vLLM do
+    min_p: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
+    seed: StrictInt | None = None
     stop: Stop = None
-    n: Annotated[int, Field(ge=1)] = 1
-    ignore_eos: bool = False  # not OpenAI: generate exactly max_tokens (benchmarks)
+    n: Annotated[StrictInt, Field(ge=1)] = 1
+    ignore_eos: StrictBool = False  # not OpenAI: generate exactly max_tokens (benchmarks)
 
     @model_validator(mode="before")
     @classmethod
@@ -177,7 +178,7 @@ class FunctionDef(BaseModel):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # every call is constrained to the parameters anyway
+    strict: StrictBool | None = None  # every call is constrained to the parameters anyway
 
 
 class Tool(BaseModel):
@@ -200,7 +201,7 @@ class JsonSchemaFormat(BaseModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -243,12 +244,12 @@ CHAT_REFUSED = (*SAMPLING_REFUSED, "functions", "function_call", "audio", "modal
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(gt=0)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     response_format: ResponseFormat | None = None
 
     REFUSED: ClassVar[tuple[str, ...]] = CHAT_REFUSED
@@ -263,10 +264,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]  # a list of ints is token ids
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    prompt: str | list[str] | list[StrictInt]  # a list of ints is token ids
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     echo: Literal[False] = False
-    max_tokens: Annotated[int, Field(gt=0)] = 16  # OpenAI's default for completions, also for null
+    max_tokens: Annotated[StrictInt, Field(gt=0)] = 16  # OpenAI's default for completions, also for null
     REFUSED: ClassVar[tuple[str, ...]] = (*SAMPLING_REFUSED, "suffix", "response_format", "tools",
                                           "tool_choice", "functions", "function_call", "messages",
                                           "top_logprobs")
