@@ -83,7 +83,9 @@ def fit_context(trained: int, needs: Callable[[int], int], budget: int) -> int:
 @runtime_checkable
 class Constraint(Protocol):
     """Limits which tokens one sequence may sample (a JSON schema, a tool call's grammar). The engine
-    asks for the mask before sampling each of the sequence's tokens and reports the token it chose."""
+    asks for the mask before sampling each of the sequence's tokens and reports the token it chose.
+    One may also say, as ``failed``, why it gave up and allowed only an end of sequence (a grammar
+    past its resource limits): the runtime then answers an error, not a finished reply."""
 
     def mask(self) -> np.ndarray | None:
         """Allowed next tokens: a bool array over the tokenizer's vocabulary, or None for any token."""
@@ -91,12 +93,6 @@ class Constraint(Protocol):
 
     def advance(self, token: int) -> None:
         """The sequence sampled ``token``."""
-        ...
-
-    @property
-    def failed(self) -> str | None:
-        """Why the constraint gave up, allowing only an end of sequence (a grammar past its
-        resource limits), else None: the runtime then reports an error, not a finished reply."""
         ...
 
 
