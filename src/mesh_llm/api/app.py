@@ -43,7 +43,9 @@ class ServedModel:
 def create_app(models: list[ServedModel], api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     by_id = {m.id: m for m in models}
-    app = FastAPI(title="mesh-llm", docs_url=None, redoc_url=None)
+    # where a key is set the API's schema is not served: that route would answer without the key
+    app = FastAPI(title="mesh-llm", docs_url=None, redoc_url=None,
+                  openapi_url=None if api_key is not None else "/openapi.json")
     app.state.models = by_id
     _install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
