@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, \
-    model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, \
+    field_validator
 
 from mesh_llm.api.errors import APIError, unsupported
-from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, check_tool_choice, refuse_lone_surrogates, refused
+from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, RequestBody, check_tool_choice, refused
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Sent by clients but harmless here (no reasoning output to include).
@@ -42,14 +42,21 @@ class TextFormat(BaseModel):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
+    @field_validator("schema_")
+    @classmethod
+    def _only_json_schema(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        """As chat's ``response_format``: a schema beside another type would not be applied."""
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError(f"a schema is read only with type json_schema, not {info.data.get('type')}")
+        return value
+
 
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ResponsesRequest(RequestBody):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -65,11 +72,6 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data: Any) -> Any:
-        return refuse_lone_surrogates(data)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -93,14 +95,9 @@ class ResponsesRequest(BaseModel):
         name = refused(self.model_extra, (*SAMPLING_REFUSED, "stop", "seed", "ignore_eos"))
         if name is not None:
             raise unsupported(name)
-        if self.text is not None:
-            fmt = self.text.format
-            if fmt is not None and fmt.type != "json_schema" and fmt.schema_ is not None:
-                raise APIError(400, f"text.format of type {fmt.type} takes no schema (it would not be "
-                               "applied); use type json_schema", param="text.format.schema")
-            verbosity = (self.text.model_extra or {}).get("verbosity")
-            if verbosity not in (None, "medium"):  # medium: OpenAI's default, how this server answers
-                raise unsupported("text.verbosity")
+        verbosity = (self.text.model_extra or {}).get("verbosity") if self.text else None
+        if verbosity not in (None, "medium"):  # medium: OpenAI's default, how this server answers
+            raise unsupported("text.verbosity")
         for item in self.include or []:
             if item not in _HARMLESS_INCLUDE:
                 raise APIError(400, f"include '{item}' is not supported", param="include")

@@ -35,16 +35,22 @@ def _lone_surrogate(value: Any) -> list[str] | None:
     return None
 
 
-def refuse_lone_surrogates(data: Any) -> Any:
-    """A ``mode="before"`` check of a whole request: JSON lets a string hold a lone surrogate
-    (``"\\ud800"``), which no tokenizer can encode and no answer can carry back. Refused before anything
-    runs, whichever field holds it (one only echoed back, like ``metadata``, failed after the whole
-    generation, or cut a stream)."""
-    path = _lone_surrogate(data)
-    if path is not None:
-        raise PydanticCustomError("invalid_unicode", "'{where}' holds text that is not valid Unicode (a lone "
-                                  "surrogate)", {"where": ".".join(path) or "body"})
-    return data
+class RequestBody(BaseModel):
+    """A request's top level: unknown fields are kept (each request says which it refuses), and no
+    string anywhere in it holds a lone surrogate. JSON allows one (``"\\ud800"``), which no tokenizer
+    can encode and no answer can carry back: refused before anything runs, whichever field holds it
+    (one only echoed back, like ``metadata``, failed after the whole generation, or cut a stream)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        path = _lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError("invalid_unicode", "'{where}' holds text that is not valid Unicode (a "
+                                      "lone surrogate)", {"where": ".".join(path) or "body"})
+        return data
 
 
 class TextPart(BaseModel):
@@ -123,10 +129,9 @@ SAMPLING_REFUSED = (*_NEUTRAL, "logit_bias", "grammar", "json_schema", "guided_j
                     "guided_choice", "guided_grammar", "chat_template", "chat_template_kwargs")
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="allow")
     REFUSED: ClassVar[tuple[str, ...]] = SAMPLING_REFUSED
     model: str
     stream: StrictBool = False
@@ -140,11 +145,6 @@ class SamplingFields(BaseModel):
     stop: Stop = None
     n: Annotated[StrictInt, Field(ge=1)] = 1
     ignore_eos: StrictBool = False  # not OpenAI: generate exactly max_tokens (benchmarks)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data: Any) -> Any:
-        return refuse_lone_surrogates(data)
 
     @field_validator("stop")
     @classmethod
