@@ -14,6 +14,7 @@ CPU: logprobs within 3e-5 of the solo run's; the tolerance below is 1e-3.
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import replace
 
 import pytest
@@ -69,7 +70,7 @@ def smollm():
 
 
 def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, keep_slots=None,
-            prefill_step=32, **options):
+            prefill_step=32, kv_bytes=None, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass,
     ``keep_slots``: rows that leave the decode batch leave their slots (the defaults on a GPU), and
@@ -83,7 +84,7 @@ def sibling(engine, pipelined=None, together=None, model=None, traced=False, buc
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
                      EngineOptions(prefill_step=prefill_step, **options), {}, "safetensors",
                      pipelined=pipelined, together=together, traced=traced, bucket=bucket,
-                     keep_slots=keep_slots)
+                     keep_slots=keep_slots, kv_bytes=kv_bytes)
 
 
 class CountingModel:
@@ -308,28 +309,105 @@ def test_admission_stops_at_max_batch_and_at_the_memory_the_kv_needs(smollm):
     default = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000, EngineOptions(), {}, "safetensors")
     n_ctx = default.info().context_length
     assert n_ctx < 4_000_000
-    # One whole context fills the engine's memory, yet the batch is sized for typical sequences:
-    # those that say how long they may grow are decoded together, and one that may fill the context
-    # (no max_tokens) waits until it can run alone.
+    # One whole context fills the engine's memory, yet the batch is sized for typical sequences,
+    # and a sequence is reserved room for its prompt and ANSWER_HEADROOM tokens, not for all it may
+    # answer: one that may fill the context (no max_tokens) decodes beside others.
     assert default.max_batch > 2
     for seq in (0, 1):
         default.add(seq, prompt, SamplingParams(temperature=0), 100)
-    with pytest.raises(NoCapacity, match="KV"):
-        default.add(2, prompt, SamplingParams(temperature=0), n_ctx - len(prompt))
-    assert {seq for seq, _ in default.step(64)} | {seq for seq, _ in default.step(64)} == {0, 1}
-    for seq in (0, 1):
-        default.remove(seq)
     default.add(2, prompt, SamplingParams(temperature=0), n_ctx - len(prompt))
-    assert [seq for seq, _ in default.step(64)] + [seq for seq, _ in default.step(64)] != []
-    default.remove(2)
+    assert {seq for seq, _ in default.step(64)} | {seq for seq, _ in default.step(64)} == {0, 1, 2}
+    for seq in (0, 1, 2):
+        default.remove(seq)
     huge = MLXEngine(smollm._model, smollm.tokenizer, {}, 4_000_000,
                      EngineOptions(max_batch=4, ctx_size=4_000_000), {}, "safetensors")
     assert huge.info().context_length == 4_000_000
-    with pytest.raises(EngineError, match="KV"):
+    with pytest.raises(EngineError, match="KV"):  # it would not fit even alone
         huge.add(0, prompt, SamplingParams(temperature=0), 3_999_000)
     huge.add(0, prompt, SamplingParams(temperature=0), 100)
-    with pytest.raises(NoCapacity):
+    with pytest.raises(EngineError, match="KV"):
         huge.add(1, prompt, SamplingParams(temperature=0), 3_999_000)
+
+
+def preempting(smollm, monkeypatch, rows: int, **options):
+    """An engine whose KV memory holds ``rows`` sequences of 256 tokens (one growth step of the KV
+    buffers), counted twice as the engine counts it, and that gives a newcomer room for 8 answer
+    tokens: three ~240-token prompts start together and outgrow it within 16 tokens. Its context
+    is what the memory holds for one sequence."""
+    from mesh_llm.engines.mlx_cache import Footprint
+
+    monkeypatch.setattr(sys.modules[MLXEngine.__module__], "ANSWER_HEADROOM", 8)
+    kv = 2 * Footprint.measure(smollm._model).bytes(256)
+    return sibling(smollm, kv_bytes=rows * kv + kv // 2, max_batch=3, **options)
+
+
+@pytest.mark.parametrize("pipelined,keep_slots,cache_bytes",
+                         [(False, False, 0), (True, False, 1 << 30), (True, True, 0)],
+                         ids=["read-each-step-recomputed", "pipelined-restored", "slots-kept-recomputed"])
+def test_sequences_that_outgrow_the_memory_are_preempted_and_answer_as_alone(smollm, monkeypatch,
+                                                                            pipelined, keep_slots,
+                                                                            cache_bytes):
+    """Three sequences admitted on their prompts' room, none bounded by max_tokens, outgrow the KV
+    memory: the newest are preempted (their state to the prompt cache, or dropped), resume when
+    the oldest ends, and read again what they held, their in-flight token, PRNG key and constraint
+    kept. Each answers as it does alone: greedy and seeded rows within TOLERANCE, the constrained
+    row's tokens all allowed and seen once each."""
+    engine = preempting(smollm, monkeypatch, 3, pipelined=pipelined, keep_slots=keep_slots,
+                        cache_bytes=cache_bytes)
+    rng = random.Random(7)
+    vocab = engine.tokenizer.vocab_size
+    digits = [smollm.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    params = [greedy(), seeded(3, logprobs=2), lambda: SamplingParams(temperature=0.7, seed=4,
+                                                                      constraint=AllowOnly(digits, vocab))]
+    cases = [Case([rng.randrange(vocab) for _ in range(n)], p, 24) for n, p in zip((236, 240, 244), params)]
+    sent = [c.params() for c in cases]
+    context = engine.info().context_length
+    unbounded = {i: context - len(c.prompt) for i, c in enumerate(cases)}  # no max_tokens
+    steps: dict[int, list] = {i: [] for i in range(3)}
+    for i, case in enumerate(cases):
+        engine.add(i, case.prompt, sent[i], unbounded[i])
+    preempted_at = None
+    while any(len(steps[i]) < 24 for i in range(3)):
+        for seq, step in engine.step(4096):
+            steps[seq].append(step)
+            if len(steps[seq]) == 24:
+                engine.remove(seq)
+        if preempted_at is None and engine.cache_stats()["kv_preemptions"]:
+            preempted_at = sorted(len(v) for v in steps.values())
+    stats = engine.cache_stats()
+    assert stats["kv_preemptions"] >= 2 and preempted_at[-1] < 24  # mid-answer
+    if cache_bytes:  # read again from its stored state
+        assert stats["tokens_reused"] > 0
+    for i in range(2):
+        assert compare(run_alone(smollm, cases[i]), steps[i], TOLERANCE).diverged_at is None or i == 0
+    alone = run_alone(smollm, replace(cases[2], params=lambda: SamplingParams(
+        temperature=0.7, seed=4, constraint=AllowOnly(digits, vocab))))
+    assert [s.token for s in steps[2]] == [s.token for s in alone]
+    assert set(sent[2].constraint.seen) <= set(digits) and sent[2].constraint.seen == [s.token for s in steps[2]]
+    assert not engine._seqs and not engine._reading  # noqa: SLF001 - every sequence left
+    engine.close()
+
+
+def test_preempted_sequences_resume_before_newcomers_are_admitted(smollm, monkeypatch):
+    """While a preempted sequence waits for room, a newcomer is told NoCapacity (it waits in the
+    worker's queue behind it), so preemption never starves a sequence."""
+    engine = preempting(smollm, monkeypatch, 2)
+    rng = random.Random(3)
+    vocab = engine.tokenizer.vocab_size
+    for seq, n in enumerate((244, 240)):
+        engine.add(seq, [rng.randrange(vocab) for _ in range(n)], SamplingParams(temperature=0), 500)
+    while not engine.cache_stats()["kv_preemptions"]:
+        engine.step(4096)
+    with pytest.raises(NoCapacity, match="preempted"):
+        engine.add(2, [1, 2, 3], SamplingParams(temperature=0), 4)
+    engine.remove(0)
+    out = [seq for _ in range(12) for seq, _ in engine.step(4096)]  # it reads ~260 tokens, 32 a step
+    assert out and set(out) == {1}  # resumed, not stuck
+    with pytest.raises(NoCapacity, match="KV"):  # now only the memory it holds stands in the way
+        engine.add(2, [1, 2, 3], SamplingParams(temperature=0), 4)
+    engine.remove(1)
+    engine.add(2, [1, 2, 3], SamplingParams(temperature=0), 4)
+    engine.close()
 
 
 def test_the_prompt_cache_yields_memory_to_live_sequences(smollm):

@@ -34,8 +34,8 @@ class EngineUnavailable(EngineError):
 
 class NoCapacity(Exception):
     """:meth:`Engine.add` cannot take the sequence now (every slot or the memory for its tokens is in
-    use); the runtime keeps it waiting and tries again once a sequence has been removed. An engine
-    that holds no sequence raises :class:`EngineError` instead for one that will never fit."""
+    use); the runtime keeps it waiting and tries again once a sequence has been removed. A sequence
+    that would not fit even alone is an :class:`EngineError` instead."""
 
 
 # On a GPU, prompt chunks (``EngineInfo.prefill_step`` tokens each) one step reads while other

@@ -7,7 +7,8 @@ cache or from a live sequence's state when one shares a prefix with it. Then it 
 group (``mlx_batch.DecodeGroup``): one forward pass a step for every decoding row, each sampled by its
 own settings (``mlx_sampling``). Models whose layer caches mlx-lm cannot batch get one group per
 sequence, stepped one after the other. What this file adds around those: admission (``max_batch``
-and the memory the sequences' KV will need, ``mlx_cache.Footprint``), the prompt cache
+and the memory the sequences' KV needs, ``mlx_cache.Footprint``) with preemption when the
+sequences outgrow it, the prompt cache
 (``prompt_cache.PromptCache`` holding ``mlx_cache.Frozen`` states) sized around the live sequences,
 and the pipelined read on a GPU.
 
@@ -61,10 +62,14 @@ from mesh_llm.machine import physical_cores
 
 log = logging.getLogger(__name__)
 
-# Live sequences may reserve KV for their whole length (prompt + max_tokens) up to this share of the
-# memory free at load, counted twice (a join or leave copies the batch's KV once); the prompt cache
-# gets what they leave of it, up to its own size. The rest is for activations and the allocator.
+# Live sequences' KV may take up to this share of the memory free at load, counted twice (a join or
+# leave copies the batch's KV once); the prompt cache gets what they leave of it, up to its own size.
+# The rest is for activations and the allocator.
 MEMORY_SHARE = 0.75
+# Answer tokens a sequence is admitted (or resumed after preemption) with room for, beyond its prompt:
+# one growth step of mlx-lm's KV buffers. It reserves no more ahead (not max_tokens, nor for a request
+# without one the rest of the context); when the rows outgrow the memory, the newest is preempted.
+ANSWER_HEADROOM = 256
 # Most sequences decoded together by default: a GPU's step time hardly grows with the batch; on a
 # CPU it does, and each sequence slows down (SmolLM2 on 2 cores: 16 tok/s alone, 10.8 each at 8, 8
 # at 16: README, "Continuous batching").
@@ -107,6 +112,19 @@ class _Sequence(Row):
         self.fed = self.reused = 0
         self.first = self.alive = True
         self.group: DecodeGroup | None = None
+        self.parked = False  # preempted: holds nothing, and resumes once its room is free again
+        self.least = len(prompt) + min(max_tokens, ANSWER_HEADROOM)  # tokens it is reserved room for
+
+    def preempted(self) -> None:
+        """Its state was taken back (``MLXEngine._preempt``): it will read what it held and the
+        tokens it sampled since as its prompt, then sample on from there, its PRNG key and
+        constraint where they stood."""
+        answered = len(self.tokens) - len(self.prompt)
+        self.prompt, self.max_tokens = list(self.tokens), max(1, self.max_tokens - answered)
+        self.least = len(self.prompt) + min(self.max_tokens, ANSWER_HEADROOM)
+        self.cache = self.shared = self.group = None
+        self.read = self.fed = 0
+        self.parked = True
 
     def state_tokens(self) -> int:
         """How many leading tokens its current state holds."""
@@ -122,7 +140,8 @@ class MLXEngine(Engine):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
-                 traced: bool = False, bucket: int = 0, keep_slots: bool | None = None):
+                 traced: bool = False, bucket: int = 0, keep_slots: bool | None = None,
+                 kv_bytes: int | None = None):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
@@ -136,7 +155,8 @@ class MLXEngine(Engine):
         benchmarks/GPU.md); with both bounded, prompts of any length make few shapes.
         ``keep_slots``: a row that leaves the decode batch leaves its slot for newcomers
         (``mlx_batch``; default: where pipelined, as on a GPU, whose step costs the same for one row
-        more; a CPU's grows with the rows)."""
+        more; a CPU's grows with the rows). ``kv_bytes``: the memory the live sequences' KV may
+        take, counted twice (default: ``MEMORY_SHARE`` of the memory free now)."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -170,7 +190,8 @@ class MLXEngine(Engine):
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
-        self._pool = int(free_memory() * MEMORY_SHARE)
+        self._pool = kv_bytes or int(free_memory() * MEMORY_SHARE)
+        self._preemptions = 0
         if not options.ctx_size:
             self._context = fit_context(context_length, self._footprint_bytes, self._pool)
             if self._context < context_length:
@@ -267,23 +288,28 @@ class MLXEngine(Engine):
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         sequence = _Sequence(seq, prompt, SequenceSampler(params, self._vocab), max_tokens)
+        alone = self._footprint_bytes(min(len(prompt) + max_tokens, self._context))
+        if alone > self._pool:
+            raise EngineError(f"the sequence's KV would need {alone / 1e6:.0f} MB (x2 while rows join "
+                              f"or leave) of the {self._pool / 1e6:.0f} MB this engine may use")
         if len(self._seqs) >= self._max_batch:
             raise NoCapacity(f"{len(self._seqs)} sequences held, at most {self._max_batch}")
-        needed = self._reserved([*self._seqs.values(), sequence])
+        if any(s.parked for s in self._seqs.values()):
+            raise NoCapacity("preempted sequences wait to resume first")
+        needed = self._reserved([*self._running(), sequence])
         if needed > self._pool:
-            message = (f"the sequences' KV would need {needed / 1e6:.0f} MB (x2 while rows join or "
-                       f"leave) of the {self._pool / 1e6:.0f} MB this engine may use")
-            raise NoCapacity(message) if self._seqs else EngineError(message)
+            raise NoCapacity(f"the sequences' KV would need {needed / 1e6:.0f} MB (x2 while rows join "
+                             f"or leave) of the {self._pool / 1e6:.0f} MB this engine may use")
         self._seqs[seq] = sequence
         self._reading.append(sequence)
         self._resize_prompt_cache()
 
     def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
         try:
+            out = self._make_room()
             if self._reading:
                 self._prefill(max(1, prefill_budget))
             launches = [(g, g.launch()) for g in self._groups]
-            out = []
             if self._pipelined:  # read step n, queued at the last call, after queuing step n+1
                 for g, launch in launches:
                     if g.unread is not None:
@@ -386,7 +412,7 @@ class MLXEngine(Engine):
         return np.concatenate(rows)
 
     def cache_stats(self) -> dict:
-        return self._prompts.stats()
+        return {**self._prompts.stats(), "kv_preemptions": self._preemptions}
 
     def close(self) -> None:
         self._drop_all()
@@ -407,7 +433,7 @@ class MLXEngine(Engine):
         for s in list(self._reading):
             if budget <= 0:
                 break
-            if self._waits(s):
+            if s.parked or self._waits(s):
                 continue
             if s.cache is None:
                 self._start(s)
@@ -511,6 +537,8 @@ class MLXEngine(Engine):
         for other in self._reading:
             if other is s:
                 return False
+            if other.parked:  # it reads nothing until room frees
+                continue
             shared = _common_prefix(other.prompt, s.prompt, min(len(other.prompt), len(s.prompt)) - 1)
             # reading together, a prefix shorter than a chunk costs less read again than waited for
             if shared > other.read and (not self._together or shared >= self._options.prefill_step):
@@ -588,15 +616,72 @@ class MLXEngine(Engine):
     # -- memory ----------------------------------------------------------------------------------
 
     def _reserved(self, seqs: list[_Sequence]) -> int:
-        """KV bytes ``seqs`` may need at their longest, twice (a join or leave copies a batch once):
-        a batch holds every row, and every vacant slot, as long as its longest."""
-        ends = [min(len(s.prompt) + s.max_tokens, self._context) for s in seqs]
+        """KV bytes ``seqs`` need through their next step, twice (a join or leave copies a batch
+        once): a batch holds every row, and every vacant slot, as long as its longest."""
+        ends = [self._claim(s) for s in seqs]
         if not ends:
             return 0
         if self._unbatchable:
             return sum(self._footprint_bytes(n) for n in ends)
         rows = max(len(ends), sum(len(g.rows) for g in self._groups))  # vacant slots hold KV too
         return rows * self._footprint_bytes(max(ends))
+
+    def _claim(self, s: _Sequence) -> int:
+        """The tokens a sequence is given room for: its prompt and ``ANSWER_HEADROOM`` tokens, or what
+        it holds and its next token, whichever is more, never past where it must end."""
+        return min(len(s.prompt) + s.max_tokens, self._context, max(s.least, s.state_tokens() + 2))
+
+    def _running(self) -> list[_Sequence]:
+        return [s for s in self._seqs.values() if not s.parked]
+
+    def _make_room(self) -> list[tuple[Row, Step]]:
+        """Before a step: while the running sequences' KV would pass the engine's memory, the newest
+        but the oldest is preempted (as vLLM does), once vacant slots are cut out and the prompt
+        cache has given way; then preempted ones resume, oldest first, where they fit again. Returns
+        the steps read early (a pipelined row's token in flight)."""
+        out: list[tuple[Row, Step]] = []
+        running = self._running()
+        if self._reserved(running) > self._pool:
+            for g in self._groups:
+                g.compact()
+            running = self._running()
+        while self._reserved(running) > self._pool and len(running) > 1:
+            out += self._preempt(running.pop())
+        for s in [s for s in self._reading if s.parked]:
+            if self._reserved([*running, s]) > self._pool:
+                break
+            s.parked = False
+            running.append(s)
+        self._resize_prompt_cache()
+        return out
+
+    def _preempt(self, s: _Sequence) -> list[tuple[Row, Step]]:
+        """Take back a sequence's state (offered to the prompt cache, so that reading it again is
+        mostly a restore); it waits, parked, to read again what it held. Its group's step in flight
+        is read first, so that the token it sampled there is kept."""
+        out, held, state = [], s.state_tokens(), s.cache
+        if s.group is not None:
+            group = s.group
+            if group.unread is not None:
+                out, group.unread = group.read(group.unread), None
+            state = group.leave(s, vacate=False)
+            if not group:
+                self._groups.remove(group)
+        else:
+            self._reading.remove(s)
+            if s.shared is not None and state is not None:  # views would hold the whole batch
+                state = _kv_prefixes(state, held)
+        log.info("the KV memory (%.0f MB) is full: sequence %d preempted after %d tokens, to be read "
+                 "again", self._pool / 1e6, s.id, len(s.tokens))
+        tokens = s.tokens[:held]
+        s.preempted()
+        rank = {seq: i for i, seq in enumerate(self._seqs)}
+        self._reading.append(s)
+        self._reading.sort(key=lambda r: rank[r.id])  # first come, first served
+        self._preemptions += 1
+        if state is not None and held > 0:
+            self._keep(tokens, state)
+        return out
 
     def _footprint_bytes(self, tokens: int) -> int:
         """What one sequence of ``tokens`` reserves (twice its KV: a join or leave copies it)."""
@@ -606,8 +691,7 @@ class MLXEngine(Engine):
         """The device's cap, or fewer where the pool cannot reserve :data:`TYPICAL_SEQUENCE` tokens
         (or the whole context if shorter) for each. Not whole contexts: where the context is sized to
         memory (``fit_context``) that would be one sequence, and requests that say how much they
-        want would never batch. Admission still reserves what the sequences may reach (``_reserved``):
-        requests without ``max_tokens`` wait for one another rather than outgrow the pool."""
+        want would never batch."""
         cap = MAX_BATCH_GPU if self._pipelined else MAX_BATCH_CPU
         typical = min(self._context, TYPICAL_SEQUENCE)
         return max(1, min(cap, self._pool // self._footprint_bytes(typical)))
@@ -615,7 +699,7 @@ class MLXEngine(Engine):
     def _resize_prompt_cache(self) -> None:
         """The prompt cache keeps what the live sequences leave of the engine's memory."""
         if self._caching:
-            room = self._pool - self._reserved(list(self._seqs.values()))
+            room = self._pool - self._reserved(self._running())
             self._prompts.resize(max(0, min(self._cache_bytes, room)))
 
     def _keep(self, tokens: list[int], cache: list[Any]) -> None:

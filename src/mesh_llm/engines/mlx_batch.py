@@ -151,15 +151,17 @@ class DecodeGroup:
         self.rows += rows
         self._settings = None
 
-    def leave(self, row: Row) -> list[Any]:
-        """Remove a row; returns its own layer caches (holding its first ``row.fed`` tokens). With
-        ``keep_slots`` its slot stays while more than half the slots hold rows and no vacant row is
-        longer than every row held (the batch never grows for a row nobody reads); else the row
-        and every vacant slot are cut out."""
+    def leave(self, row: Row, vacate: bool = True) -> list[Any]:
+        """Remove a row; returns its own layer caches (holding its first ``row.fed`` tokens), and
+        its sampler keeps its PRNG key as it stands (a preempted row joins again where it left off).
+        With ``keep_slots`` and ``vacate`` its slot stays while more than half the slots hold rows
+        and no vacant row is longer than every row held (the batch never grows for a row nobody
+        reads); else the row and every vacant slot are cut out."""
         i = self.rows.index(row)
         keep = [j for j, r in enumerate(self.rows) if j != i and not isinstance(r, _Vacant)]
         self._settings = None
-        if self._slots_kept():
+        row.sampler.key = self._keys[i]
+        if vacate and self._slots_kept():
             pads = _left_padding(self._caches)
             vacant = [i, *self._vacant()]
             if 2 * len(keep) > len(self.rows) and min(pads[j] for j in vacant) >= min(pads[j] for j in keep):
@@ -176,8 +178,11 @@ class DecodeGroup:
             self.rows, self._caches, self._batched, self._inputs, self._keys = [], None, False, None, None
         return own
 
-    def _compact(self) -> None:
-        """Cut out every vacant slot (no newcomer took the oldest for ``VACANT_STEPS`` steps)."""
+    def compact(self) -> None:
+        """Cut out every vacant slot (no newcomer took the oldest for ``VACANT_STEPS`` steps, or the
+        memory is short)."""
+        if not self.vacancies:
+            return
         keep = [j for j, r in enumerate(self.rows) if not isinstance(r, _Vacant)]
         index, pads = mx.array(keep), _left_padding(self._caches)
         for c in self._caches:
@@ -235,7 +240,7 @@ class DecodeGroup:
         """Queue one forward pass over every row, and the sampling of unconstrained rows."""
         self._steps += 1
         if any(isinstance(r, _Vacant) and self._steps - r.since > VACANT_STEPS for r in self.rows):
-            self._compact()
+            self.compact()
         if self._settings is None:
             self._settings = RowSettings([r.sampler for r in self.rows], self._vocab)
         settings = self._settings
