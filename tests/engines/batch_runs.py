@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mesh_llm.engines.base import SamplingParams, Step
+from mesh_llm.engines.base import NoCapacity, SamplingParams, Step
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -38,18 +38,25 @@ def run_alone(engine, case: Case) -> list[Step]:
 
 
 def run_batched(engine, cases: list[Case], budget: int, leave: dict[int, int] | None = None,
-                params: list[SamplingParams] | None = None) -> dict[int, list[Step]]:
-    """Add each case at its start step, step until every case has its tokens, removing each once it
-    has them (as the runtime does), or ``leave[i]`` steps after it was added."""
+                params: list[SamplingParams] | None = None,
+                max_tokens: dict[int, int] | None = None) -> dict[int, list[Step]]:
+    """Add each case at its start step (or, while the engine has no room for it, at the first step
+    after with room, later cases waiting behind it, as the runtime does), step until every case has
+    its tokens, removing each once it has them (as the runtime does), or ``leave[i]`` steps after it
+    was added. ``max_tokens[i]``: what case i's add says it may reach (default: its tokens)."""
     params = params or [c.params() for c in cases]
     leave = leave or {}
+    max_tokens = max_tokens or {}
     steps: dict[int, list[Step]] = {i: [] for i in range(len(cases))}
     added: dict[int, int] = {}
     done: set[int] = set()
     for k in itertools.count():
         for i, case in enumerate(cases):
             if i not in added and case.start <= k:
-                engine.add(i, case.prompt, params[i], case.tokens)
+                try:
+                    engine.add(i, case.prompt, params[i], max_tokens.get(i, case.tokens))
+                except NoCapacity:
+                    break
                 added[i] = k
         for i in [i for i, at in added.items() if i not in done and leave.get(i) == k - at]:
             engine.remove(i)

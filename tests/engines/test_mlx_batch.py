@@ -329,7 +329,7 @@ def test_admission_stops_at_max_batch_and_at_the_memory_the_kv_needs(smollm):
         huge.add(1, prompt, SamplingParams(temperature=0), 3_999_000)
 
 
-def preempting(smollm, monkeypatch, rows: int, **options):
+def preempting(smollm, monkeypatch, rows: int, max_batch: int = 3, **options):
     """An engine whose KV memory holds ``rows`` sequences of 256 tokens (one growth step of the KV
     buffers), counted twice as the engine counts it, and that gives a newcomer room for 8 answer
     tokens: three ~240-token prompts start together and outgrow it within 16 tokens. Its context
@@ -338,7 +338,7 @@ def preempting(smollm, monkeypatch, rows: int, **options):
 
     monkeypatch.setattr(sys.modules[MLXEngine.__module__], "ANSWER_HEADROOM", 8)
     kv = 2 * Footprint.measure(smollm._model).bytes(256)
-    return sibling(smollm, kv_bytes=rows * kv + kv // 2, max_batch=3, **options)
+    return sibling(smollm, kv_bytes=rows * kv + kv // 2, max_batch=max_batch, **options)
 
 
 @pytest.mark.parametrize("pipelined,keep_slots,cache_bytes",
@@ -682,6 +682,31 @@ def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_a
         if i not in leaving:
             compare(run_alone(smollm, case), batched[i], TOLERANCE)
     assert not engine._seqs and not engine._reading  # noqa: SLF001 - every row left
+    engine.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_arrivals_in_short_memory_are_preempted_and_answer_as_alone(smollm, monkeypatch, seed):
+    """The GPU's reading and stepping on this CPU (chunks read together, pipelined, slots kept) with
+    KV memory for three 256-token sequences: eight prompts of 170-240 tokens, half of them starting
+    with the same 40, none bounded by max_tokens, arriving over eight steps; two removed at random
+    steps. Sequences are preempted mid-prompt or mid-answer, newcomers wait for room, and every
+    sequence not removed answers as it does alone."""
+    rng = random.Random(seed)
+    engine = preempting(smollm, monkeypatch, 3, max_batch=8, pipelined=True, together=True,
+                        keep_slots=True, cache_bytes=1 << 30)
+    vocab, context = engine.tokenizer.vocab_size, engine.info().context_length
+    document = [rng.randrange(vocab) for _ in range(40)]
+    cases = [Case(document[:40 * (i % 2)] + [rng.randrange(vocab) for _ in range(rng.randint(170, 200))],
+                  greedy(), rng.randint(20, 50), rng.randint(0, 8)) for i in range(8)]
+    leaving = rng.sample(range(8), 2)
+    batched = run_batched(engine, cases, budget=96, leave={i: rng.randint(0, 20) for i in leaving},
+                          max_tokens={i: context - len(c.prompt) for i, c in enumerate(cases)})
+    assert engine.cache_stats()["kv_preemptions"] > 0
+    for i, case in enumerate(cases):
+        if i not in leaving:
+            compare(run_alone(smollm, case), batched[i], TOLERANCE)
+    assert not engine._seqs and not engine._reading  # noqa: SLF001 - every sequence left
     engine.close()
 
 
