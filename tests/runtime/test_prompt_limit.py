@@ -10,10 +10,12 @@ from mesh_llm.runtime.prompt_limit import PromptTooLong, encode_within
 
 
 class Counting:
-    """A tokenizer that says what it was asked: one token a character, ``<s>`` one token."""
+    """A tokenizer that says what it was asked: one token a character, ``<s>`` one token (a
+    control token: in a chat message it is encoded by ``encode_plain``, three)."""
 
     chat_template = None
     bos_token = eos_token = None
+    control_texts = frozenset({"<s>"})
 
     def __init__(self):
         self.encoded = 0
@@ -24,6 +26,10 @@ class Counting:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.encoded += 1
         return [0] * (len(text) - 2 * text.count("<s>"))
+
+    def encode_plain(self, text: str) -> list[int]:
+        self.encoded += 1
+        return [0] * len(text)
 
 
 def test_over_the_room_is_refused_without_tokenizing():

@@ -2,16 +2,12 @@
 for earlier calls, recorded generations fed token by token through the streaming parsers, and the
 constraints that force a call.
 
-Templates in ``templates/`` are the models' own, as llama.cpp's test suite keeps them (the
-llama-cpp-python 0.3.36 sdist, ``vendor/llama.cpp/models/templates``). Vocabularies are llama.cpp's
-vocab-only GGUFs (``make test`` fetches them; MESH_LLM_GGUF_VOCABS names their folder).
+The templates and vocabularies come from ``conftest.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +16,6 @@ from mesh_llm.runtime.detokenize import IncrementalDetokenizer
 from mesh_llm.runtime.tool_formats import Function, format_for
 from mesh_llm.runtime.tools import ToolChoice, ToolRequestError, plan_chat
 
-TEMPLATES = Path(__file__).parent / "templates"
 WEATHER = Function("get_weather", {"type": "object", "properties": {
     "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]},
     "The current weather in a city")
@@ -31,44 +26,6 @@ HISTORY = [
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "abcDEF123", "content": "Sunny, 24 C"},
 ]
-
-
-def template(name: str) -> str:
-    return (TEMPLATES / name).read_text()
-
-
-class Vocab:
-    """A real tokenizer (llama.cpp's, from a vocab-only GGUF) with another model's chat template."""
-
-    def __init__(self, tokenizer, chat_template: str | None):
-        self._tokenizer, self.chat_template = tokenizer, chat_template
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    import llama_cpp.llama_cpp as ll
-
-    from mesh_llm.engines.llama import LlamaTokenizer
-
-    folder = os.environ.get("MESH_LLM_GGUF_VOCABS")
-    models = []
-
-    def load(name: str, template_file: str | None) -> Vocab:
-        path = Path(folder or "") / f"ggml-vocab-{name}.gguf"
-        if not folder or not path.is_file():
-            pytest.skip(f"set MESH_LLM_GGUF_VOCABS to a folder with ggml-vocab-{name}.gguf (make test does)")
-        params = ll.llama_model_default_params()
-        params.vocab_only = True
-        model = ll.llama_model_load_from_file(str(path).encode(), params)
-        models.append(model)
-        return Vocab(LlamaTokenizer(model), template(template_file) if template_file else None)
-
-    yield load
-    for model in models:
-        ll.llama_model_free(model)
 
 
 def stream(tokenizer, parser, text: str):
@@ -101,7 +58,7 @@ def stream(tokenizer, parser, text: str):
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
     ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral"),
 ])
-def test_format_from_template(file, name):
+def test_format_from_template(file, name, template):
     assert format_for(template(file)).name == name
 
 
@@ -131,7 +88,7 @@ def test_llama3_renders_tools_and_a_call_as_parameters(vocab):
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n"Sunny, 24 C"' in text  # the template's tojson
 
 
-def test_mistral_renders_available_tools_and_nine_character_ids(vocab):
+def test_mistral_renders_available_tools_and_nine_character_ids(vocab, template):
     tok = vocab("llama-spm", "mistralai-Mistral-Nemo-Instruct-2407.jinja")
     text = tok.decode(plan_chat(tok, HISTORY, [WEATHER]).prompt)
     assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"' in text

@@ -169,6 +169,16 @@ class Tokenizer(Protocol):
         ``add_special_tokens`` adds what the model puts around raw text (a BOS), never a template."""
         ...
 
+    @property
+    def control_texts(self) -> frozenset[str]:
+        """The texts ``encode`` reads as one control token wherever they stand (``<|im_start|>``):
+        the runtime encodes message text that holds one with :meth:`encode_plain` instead."""
+        ...
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with its control-token texts read as plain text, nothing added."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
         ...

@@ -13,6 +13,7 @@ still takes seconds: :meth:`HFTokenizer.min_tokens` bounds the count from below 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ class HFTokenizer:
         self._eos_ids = frozenset(eos)
         self._template = chat_template or _template_from_config(config.get("chat_template"))
         self._floor = _token_floor(tokenizer)
+        added = tokenizer.get_added_tokens_decoder().values()
+        self._control = frozenset(a.content for a in added if a.special and a.content)
+        self._plain: _RustTokenizer | None = None  # a copy that reads special tokens as text
+        self._plain_lock = threading.Lock()
 
     @classmethod
     def from_folder(cls, folder: Path) -> HFTokenizer:
@@ -97,6 +102,19 @@ class HFTokenizer:
         if add_special_tokens and self._add_bos and ids[:1] != [self._bos_id]:
             ids.insert(0, self._bos_id)
         return ids
+
+    @property
+    def control_texts(self) -> frozenset[str]:
+        return self._control
+
+    def encode_plain(self, text: str) -> list[int]:
+        # encode_special_tokens is the Rust object's own setting, so another object holds it: the
+        # shared one is read by other threads (made on first use, as few prompts need it)
+        with self._plain_lock:
+            if self._plain is None:
+                self._plain = _RustTokenizer.from_str(self._tok.to_str())
+                self._plain.encode_special_tokens = True
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def min_tokens(self, text: str) -> int:
         """At most ``len(encode(text, False))``, found in linear time without tokenizing."""

@@ -71,7 +71,8 @@ class LlamaTokenizer:
         self._eos = self._text(ll.llama_vocab_eos(vocab))
         template = ll.llama_model_chat_template(model, None)
         self._template = template.decode("utf-8") if template else None
-        self._floor, self._cuttable = _vocab_floor(model, vocab, self._n_vocab)
+        self._floor, self._cuttable, control = _vocab_floor(model, vocab, self._n_vocab)
+        self._control = frozenset(t.decode("utf-8", errors="replace") for t in control)
         # SPM and BPE tokenize each fragment between special tokens on its own; others are not cut
         self._cut = ll.llama_vocab_type(vocab) in (ll.LLAMA_VOCAB_TYPE_SPM, ll.LLAMA_VOCAB_TYPE_BPE)
         self._bos_id = ll.llama_vocab_bos(vocab) if ll.llama_vocab_get_add_bos(vocab) else None
@@ -124,17 +125,26 @@ class LlamaTokenizer:
             ids.append(self._eos_id)
         return ids
 
+    @property
+    def control_texts(self) -> frozenset[str]:
+        return self._control
+
+    def encode_plain(self, text: str) -> list[int]:
+        """llama_tokenize's ids for ``text`` with control tokens not parsed (user-defined ones still
+        are, as Hugging Face's non-special added tokens)."""
+        return self._tokenize(text.encode("utf-8"), False, special=False)
+
     def _cuts(self, data: bytes) -> list[int]:
         """Where to cut ``data``: before every CHUNK_SPECIALS-th cuttable special token."""
         starts = [m.start() for m in self._floor.occurrences(data) if m.group() in self._cuttable]
         return starts[CHUNK_SPECIALS::CHUNK_SPECIALS]
 
-    def _tokenize(self, data: bytes, add_special_tokens: bool) -> list[int]:
+    def _tokenize(self, data: bytes, add_special_tokens: bool, special: bool = True) -> list[int]:
         n = len(data) + 8  # byte-level vocabularies give at most a token a byte, plus BOS/EOS
         with self._calls:
             while True:
                 out = (ll.llama_token * n)()
-                got = ll.llama_tokenize(self._vocab, data, len(data), out, n, add_special_tokens, True)
+                got = ll.llama_tokenize(self._vocab, data, len(data), out, n, add_special_tokens, special)
                 if got >= 0:
                     return out[:got]
                 n = -got
@@ -175,8 +185,9 @@ class LlamaTokenizer:
 
 
 def _vocab_floor(model: ll.llama_model_p, vocab: ll.llama_vocab_p,
-                 n_vocab: int) -> tuple[TokenFloor, frozenset[bytes]]:
-    """The vocab's :class:`TokenFloor`, and the atomic special texts a text may be cut before."""
+                 n_vocab: int) -> tuple[TokenFloor, frozenset[bytes], list[bytes]]:
+    """The vocab's :class:`TokenFloor`, the atomic special texts a text may be cut before, and the
+    control tokens' texts."""
     texts: list[bytes] = []
     specials: dict[bytes, int] = {}  # text -> its tokens' attributes, together
     stripping = False
@@ -190,7 +201,7 @@ def _vocab_floor(model: ll.llama_model_p, vocab: ll.llama_vocab_p,
     longest, dropped = (None, b"") if stripping else _bytes_per_token(model, texts)
     floor = TokenFloor(specials, bytes_per_token=longest, dropped=dropped)
     cuttable = frozenset(t for t in floor.atomic if not specials[t] & ll.LLAMA_TOKEN_ATTR_LSTRIP)
-    return floor, cuttable
+    return floor, cuttable, [t for t, attr in specials.items() if attr & ll.LLAMA_TOKEN_ATTR_CONTROL and t]
 
 
 def _bytes_per_token(model: ll.llama_model_p, texts: list[bytes]) -> tuple[int | None, bytes]:

@@ -19,6 +19,11 @@ class PromptTooLong(ValueError):
 def encode_within(tokenizer: Tokenizer, text: str, add_special_tokens: bool, room: int | None) -> list[int]:
     """``tokenizer.encode(text, add_special_tokens)``, or :class:`PromptTooLong` without tokenizing
     when ``text`` provably has more than ``room`` tokens (None: no limit)."""
+    refuse_beyond(tokenizer, text, room)
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def refuse_beyond(tokenizer: Tokenizer, text: str, room: int | None) -> None:
+    """:class:`PromptTooLong` when ``text`` provably has more than ``room`` tokens (None: no limit)."""
     if room is not None and (at_least := tokenizer.min_tokens(text)) > room:
         raise PromptTooLong(at_least, room)
-    return tokenizer.encode(text, add_special_tokens)
