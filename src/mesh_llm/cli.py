@@ -96,6 +96,12 @@ def serve(
                                               "512M, 2G; 0 turns it off. Default: a quarter of the "
                                               "memory free after loading, at most 16G."),
     cache_entries: int = typer.Option(64, help="Most prompt states the cache keeps per model."),
+    kv_memory: Optional[str] = typer.Option(None, help="Memory the running sequences' KV cache may "
+                                            "take per model: bytes, or 512M, 2G. Past it the newest "
+                                            "sequence waits (preempted); the context is fitted to it "
+                                            "unless --ctx-size is given. Default: half the memory "
+                                            "free after loading (llama), three quarters counted "
+                                            "twice (MLX)."),
     warm_up: Optional[bool] = typer.Option(None, "--warm-up/--no-warm-up", help="Run the shapes serving "
                                            "uses once before ready, so the first request is as fast as "
                                            "later ones (default: on for MLX on a GPU)."),
@@ -150,6 +156,14 @@ def serve(
     except ValueError:
         raise fail(f"--cache-bytes must be a byte count such as 512M, 2G or 0, not {cache_bytes!r}") \
             from None
+    kv_bytes = None
+    if kv_memory is not None:
+        try:
+            kv_bytes = parse_bytes(kv_memory)
+        except ValueError:
+            kv_bytes = 0
+        if kv_bytes <= 0:
+            raise fail(f"--kv-memory must be a byte count such as 512M or 2G, not {kv_memory!r}")
     mesh_config = None
     if mesh or mesh_token or join or client or discover:
         mesh_config = mesh_settings(mesh, mesh_token, join, client, discover, node_name, advertise_url,
@@ -157,7 +171,7 @@ def serve(
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
                          max_queue=max_queue, max_batch=max_batch, prefill_step=prefill_step,
-                         cache_bytes=cache_size,
+                         cache_bytes=cache_size, kv_bytes=kv_bytes,
                          cache_entries=cache_entries, warm_up=warm_up, deterministic=deterministic,
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:

@@ -45,6 +45,7 @@ class ServeConfig:
     prefill_step: int | None = None  # prompt tokens a sequence reads per pass; None: the engine's
     max_body_bytes: int | None = None  # largest request body; None: the API's (8 MiB)
     cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
+    kv_bytes: int | None = None  # the running sequences' KV per model; None: the engine's share of free
     cache_entries: int = 64
     warm_up: bool | None = None  # run serving's shapes once before ready; None: the engine's choice
     deterministic: bool = False  # llama engine on a CPU: bit-for-bit results in any batch (slower)
@@ -107,6 +108,7 @@ def bind(host: str, port: int) -> socket.socket:
 def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
     options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads,
                             cache_bytes=config.cache_bytes, cache_entries=config.cache_entries,
+                            kv_bytes=config.kv_bytes,
                             max_batch=config.max_batch, warm_up=config.warm_up,
                             deterministic=config.deterministic,
                             prefill_step=config.prefill_step)

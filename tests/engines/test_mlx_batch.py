@@ -70,7 +70,7 @@ def smollm():
 
 
 def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, keep_slots=None,
-            prefill_step=32, kv_bytes=None, **options):
+            prefill_step=32, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass,
     ``keep_slots``: rows that leave the decode batch leave their slots (the defaults on a GPU), and
@@ -84,7 +84,7 @@ def sibling(engine, pipelined=None, together=None, model=None, traced=False, buc
     return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
                      EngineOptions(prefill_step=prefill_step, **options), {}, "safetensors",
                      pipelined=pipelined, together=together, traced=traced, bucket=bucket,
-                     keep_slots=keep_slots, kv_bytes=kv_bytes)
+                     keep_slots=keep_slots)
 
 
 class CountingModel:

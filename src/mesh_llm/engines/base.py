@@ -55,6 +55,7 @@ class EngineOptions:
     threads: int | None = None  # None: the number of physical cores
     prefill_step: int | None = None  # prompt tokens of one sequence per forward pass; None: the engine's
     cache_bytes: int | None = None  # prompt cache budget; None: from free memory at load; 0: off
+    kv_bytes: int | None = None  # memory the live sequences' KV may take; None: the engine's share of free
     cache_entries: int = 64  # most states the prompt cache keeps
     max_batch: int | None = None  # sequences decoded together; None: chosen from device and memory
     warm_up: bool | None = None  # run serving's shapes once before ready; None: where it pays (MLX GPU)

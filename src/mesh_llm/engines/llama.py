@@ -164,12 +164,13 @@ class LlamaEngine(Engine):
         free = (gpu_free_memory() if gpu else None)
         if free is None:
             free = max(0, available_memory() - ll.llama_model_size(model))
-        kv_bytes = free // 2  # what the KV may take: half the memory free beyond the weights
+        kv_bytes = options.kv_bytes or free // 2  # by default half the memory free beyond the weights
         trained = ll.llama_model_n_ctx_train(model)
         n_ctx_seq = options.ctx_size or fit_context(trained, lambda n: n * cell_bytes, kv_bytes)
         if n_ctx_seq < trained and not options.ctx_size:
-            log.warning("%s: context %d tokens of the model's %d, as much as half the free memory holds "
-                        "(--ctx-size sets another)", path.name, n_ctx_seq, trained)
+            held = "--kv-memory" if options.kv_bytes else "half the free memory"
+            log.warning("%s: context %d tokens of the model's %d, as much as %s holds (--ctx-size sets "
+                        "another)", path.name, n_ctx_seq, trained, held)
         step = max(3, min(options.prefill_step or PREFILL_STEP, n_ctx_seq))
         whole = llama_cache.needs_checkpoints(model)  # their states resume whole: one pool
         # preempting a sequence moves where the others' next cells land, and with them the order

@@ -62,9 +62,9 @@ from mesh_llm.machine import physical_cores
 
 log = logging.getLogger(__name__)
 
-# Live sequences' KV may take up to this share of the memory free at load, counted twice (a join or
-# leave copies the batch's KV once); the prompt cache gets what they leave of it, up to its own size.
-# The rest is for activations and the allocator.
+# Live sequences' KV may take up to this share of the memory free at load (``--kv-memory`` sets
+# another size), counted twice (a join or leave copies the batch's KV once); the prompt cache gets
+# what they leave of it, up to its own size. The rest is for activations and the allocator.
 MEMORY_SHARE = 0.75
 # Answer tokens a sequence is admitted (or resumed after preemption) with room for, beyond its prompt:
 # one growth step of mlx-lm's KV buffers. It reserves no more ahead (not max_tokens, nor for a request
@@ -140,8 +140,7 @@ class MLXEngine(Engine):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
-                 traced: bool = False, bucket: int = 0, keep_slots: bool | None = None,
-                 kv_bytes: int | None = None):
+                 traced: bool = False, bucket: int = 0, keep_slots: bool | None = None):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
@@ -155,8 +154,7 @@ class MLXEngine(Engine):
         benchmarks/GPU.md); with both bounded, prompts of any length make few shapes.
         ``keep_slots``: a row that leaves the decode batch leaves its slot for newcomers
         (``mlx_batch``; default: where pipelined, as on a GPU, whose step costs the same for one row
-        more; a CPU's grows with the rows). ``kv_bytes``: the memory the live sequences' KV may
-        take, counted twice (default: ``MEMORY_SHARE`` of the memory free now)."""
+        more; a CPU's grows with the rows)."""
         self._model = model
         self._tokenizer = tokenizer
         self._vocab = int(text_config(config).get("vocab_size") or tokenizer.vocab_size)
@@ -190,7 +188,7 @@ class MLXEngine(Engine):
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
-        self._pool = kv_bytes or int(free_memory() * MEMORY_SHARE)
+        self._pool = options.kv_bytes or int(free_memory() * MEMORY_SHARE)  # counted twice
         self._preemptions = 0
         if not options.ctx_size:
             self._context = fit_context(context_length, self._footprint_bytes, self._pool)
@@ -211,6 +209,8 @@ class MLXEngine(Engine):
         if self._bucket:
             self._details["prefill_bucket"] = f"prompt chunks padded to a multiple of {self._bucket} tokens"
         self._details["max_batch"] = str(self._max_batch)
+        self._details["kv_memory"] = (f"{self._pool / 1e6:.0f} MB, counted twice (a join or leave copies "
+                                      f"the batch); the newest sequence preempted past it")
         self._details["batching"] = ("one forward pass for all sequences" if not self._unbatchable else
                                      f"one sequence a pass ({', '.join(self._unbatchable)} cannot batch)")
 
