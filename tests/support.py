@@ -49,6 +49,14 @@ class Server:
                 self.proc.wait()
 
 
+def serve_errors(*args: str) -> list[str]:
+    """The ``error:`` lines of a `mesh-llm serve ARGS` that must refuse to start (exit status 2)."""
+    result = children.run([sys.executable, "-m", "mesh_llm", "serve", *args, "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
 def start_server(args: list[str], log: Path, env: dict | None = None, timeout: float = 300) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "mesh_llm", "serve", "--port", str(port), *args]

@@ -4,15 +4,13 @@ line."""
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from mesh_llm import children
-from support import free_port
+from support import serve_errors
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "kv-test-key"
@@ -59,9 +57,5 @@ def test_requests_that_outgrow_the_kv_memory_are_preempted_not_failed(server, en
 
 
 def test_a_bad_kv_memory_is_one_error_line():
-    result = children.run([sys.executable, "-m", "mesh_llm", "serve", "--kv-memory", "0",
-                           "--port", str(free_port())], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert result.returncode == 2
-    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+    assert serve_errors("--kv-memory", "0") == [
         "error: --kv-memory must be a byte count such as 512M or 2G, not '0'"]
