@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -58,6 +59,16 @@ def alternate(started: dict[str, Server], rounds: int, measure: Callable[[Server
             results.setdefault(name, []).append(m)
             print(f"round {r + 1} {name:8} {show(m)}", flush=True)
     return results
+
+
+def compare(args: argparse.Namespace, model: str, flags: list[str], measure: Callable[[Server], dict],
+            show: Callable[[dict], str]) -> None:
+    """This checkout's server (and ``--against``'s) on ``model`` with ``flags``, measured in
+    ``--rounds`` alternating rounds, the results written to ``--out``."""
+    logs = Path(tempfile.mkdtemp(prefix="alternate-"))
+    with ExitStack() as stack:
+        results = alternate(servers(stack, model, logs, flags, args.against), args.rounds, measure, show)
+    write(args.out, args, results=results)
 
 
 def write(path: Path | None, args: argparse.Namespace, **payload) -> None:

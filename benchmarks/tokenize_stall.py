@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import threading
 import time
-from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
-from alternate import add_arguments, alternate, servers, write  # benchmarks/, the script's own folder
+from alternate import add_arguments, compare  # benchmarks/, the script's own folder
 
 from mesh_llm.bench.backends import Server
 from mesh_llm.models import default_mlx_folder
@@ -62,16 +59,11 @@ def main() -> None:
     parser.add_argument("--kb", type=int, default=600)
     add_arguments(parser, rounds=3)
     args = parser.parse_args()
-    logs = Path(tempfile.mkdtemp(prefix="tokenize-stall-"))
     sentence = "The quick brown fox jumps over the lazy dog; the compiler reads every token. "
     text = sentence * (args.kb * 1000 // len(sentence))
-    with ExitStack() as stack:
-        started = servers(stack, str(default_mlx_folder()), logs, ["--engine", "mlx"], args.against)
-        results = alternate(started, args.rounds, lambda server: round_trip(server, text),
-                            lambda m: f"longest gap {m['longest_gap_ms']:6.0f} ms, median "
-                                      f"{m['median_gap_ms']:5.0f} ms; the paste: {m['paste_status']} after "
-                                      f"{m['paste_s']:.2f} s")
-    write(args.out, args, results=results)
+    compare(args, str(default_mlx_folder()), ["--engine", "mlx"], lambda server: round_trip(server, text),
+            lambda m: f"longest gap {m['longest_gap_ms']:6.0f} ms, median {m['median_gap_ms']:5.0f} ms; "
+                      f"the paste: {m['paste_status']} after {m['paste_s']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import threading
 import time
-from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
-from alternate import add_arguments, alternate, servers, write  # benchmarks/, the script's own folder
+from alternate import add_arguments, compare  # benchmarks/, the script's own folder
 
 from mesh_llm.bench.backends import Server
 from mesh_llm.models import default_mlx_folder
@@ -90,15 +87,11 @@ def main() -> None:
     parser.add_argument("--ctx-size", type=int, default=131072)
     add_arguments(parser, rounds=2)
     args = parser.parse_args()
-    logs = Path(tempfile.mkdtemp(prefix="unbounded-"))
-    flags = ["--engine", "mlx", "--ctx-size", str(args.ctx_size)]
-    with ExitStack() as stack:
-        started = servers(stack, str(default_mlx_folder()), logs, flags, args.against)
-        results = alternate(started, args.rounds, lambda server: together(server, args.requests),
-                            lambda m: f"{m['tokens']} tokens in {m['wall_s']:.1f} s ({m['summed_tok_s']:.1f} "
-                                      f"tok/s), first token p50 {m['ttft_p50_s']:.2f} s, last "
-                                      f"{m['ttft_max_s']:.2f} s, at most {m['most_at_once']} at once")
-    write(args.out, args, results=results)
+    compare(args, str(default_mlx_folder()), ["--engine", "mlx", "--ctx-size", str(args.ctx_size)],
+            lambda server: together(server, args.requests),
+            lambda m: f"{m['tokens']} tokens in {m['wall_s']:.1f} s ({m['summed_tok_s']:.1f} tok/s), first "
+                      f"token p50 {m['ttft_p50_s']:.2f} s, last {m['ttft_max_s']:.2f} s, at most "
+                      f"{m['most_at_once']} at once")
 
 
 if __name__ == "__main__":
