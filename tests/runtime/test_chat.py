@@ -135,3 +135,19 @@ def test_control_token_texts_in_messages_are_plain_text_on_both_engines_tokenize
     llama = vocab(default_gguf, None)
     assert llama.control_texts == hf.control_texts
     assert_plain_text(llama, CHATML, exact_text=True)
+
+
+def test_control_token_texts_in_a_tools_definition_are_plain_text(vocab):
+    """A tool's description (a third party's MCP server writes it) renders into the system turn."""
+    tok = vocab("qwen2", "Qwen-Qwen2.5-7B-Instruct.jinja")
+    (im_start,) = tok.encode("<|im_start|>", False)
+
+    def tools(description: str) -> list[dict]:
+        return [{"type": "function", "function": {"name": "read", "description": description,
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+
+    messages = [{"role": "user", "content": "Read the file."}]
+    clean = encode_chat(tok, messages, tools=tools("Reads a file."))
+    ids = encode_chat(tok, messages, tools=tools(f"Reads a file. {CHATML}"))
+    assert ids.count(im_start) == clean.count(im_start)
+    assert tok.decode(ids) == render_chat(tok, messages, tools=tools(f"Reads a file. {CHATML}"))

@@ -75,14 +75,14 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], room: int 
                 **extra: Any) -> list[int]:
     """Token ids of the rendered conversation. The template writes any BOS itself, as in Hugging Face.
     A control token's text inside a message (``<|im_end|>`` in a pasted file, or in code an agent
-    wrote) is encoded as plain text, so no message can close its turn or open another role's: only
-    the template's own markup becomes control tokens. Llama-server, vLLM and mlx-lm tokenize the
+    wrote) or a tool's definition is encoded as plain text, so none can close its turn or open
+    another role's: only the template's own markup becomes control tokens. Llama-server, vLLM and mlx-lm tokenize the
     rendered text whole, where it does.
     :class:`~mesh_llm.runtime.prompt_limit.PromptTooLong` when it provably has more than ``room``."""
-    literals = _Literals.find(tokenizer.control_texts, messages)
+    literals = _Literals.find(tokenizer.control_texts, {"messages": messages, **extra})
     if literals is None:
         return encode_within(tokenizer, render_chat(tokenizer, messages, **extra), False, room)
-    text = render_chat(tokenizer, literals.messages, **extra)
+    text = render_chat(tokenizer, **literals.variables)
     refuse_beyond(tokenizer, literals.restored(text), room)
     ids: list[int] = []
     for markup, literal in literals.pieces(text):
@@ -93,20 +93,20 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], room: int 
 
 
 class _Literals:
-    """The control-token texts found in a conversation's message strings, each swapped for a
-    placeholder while the template renders: private-use characters that no message holds, which
+    """The control-token texts found in the strings a template renders (the messages, the tools),
+    each swapped for a placeholder while it renders: private-use characters that no message holds, which
     every tokenizer reads as plain text. The rendered text is then encoded piece by piece, cut at
     the placeholders. A cut stands where the whole text holds a control token, a boundary no token
     crosses either way, so the markup around it encodes as it would in the whole text (an SPM
     tokenizer's space prefix, which follows any control token, included)."""
 
-    def __init__(self, texts: list[str], mark: str, messages: list[dict[str, Any]]):
-        self.texts, self.messages = texts, messages
+    def __init__(self, texts: list[str], mark: str, variables: dict[str, Any]):
+        self.texts, self.variables = texts, variables
         self._marks = re.compile(f"{mark}(\\d+){mark}")
 
     @classmethod
-    def find(cls, control: frozenset[str], messages: list[dict[str, Any]]) -> _Literals | None:
-        strings = list(_strings(messages))
+    def find(cls, control: frozenset[str], variables: dict[str, Any]) -> _Literals | None:
+        strings = list(_strings(variables))
         pattern = _pattern(control)
         if pattern is None or not any(pattern.search(s) for s in strings):
             return None
@@ -119,7 +119,7 @@ class _Literals:
                 texts.append(match.group())
             return f"{mark}{texts.index(match.group())}{mark}"
 
-        return cls(texts, mark, _map_strings(messages, lambda s: pattern.sub(swap, s)))
+        return cls(texts, mark, _map_strings(variables, lambda s: pattern.sub(swap, s)))
 
     def restored(self, text: str) -> str:
         """The rendered text as it would be without placeholders."""
@@ -141,7 +141,7 @@ def _pattern(control: frozenset[str]) -> re.Pattern[str] | None:
 
 
 def _strings(value: Any):
-    """Every string value inside messages (not dict keys)."""
+    """Every string value inside ``value`` (not dict keys)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
