@@ -297,6 +297,8 @@ class MLXEngine(Engine):
         if any(s.parked for s in self._seqs.values()):
             raise NoCapacity("preempted sequences wait to resume first")
         needed = self._reserved([*self._running(), sequence])
+        if needed > self._pool and self._compact_groups():  # slots rows left hold memory too
+            needed = self._reserved([*self._running(), sequence])
         if needed > self._pool:
             raise NoCapacity(f"the sequences' KV would need {needed / 1e6:.0f} MB (x2 while rows join "
                              f"or leave) of the {self._pool / 1e6:.0f} MB this engine may use")
@@ -635,16 +637,14 @@ class MLXEngine(Engine):
         return [s for s in self._seqs.values() if not s.parked]
 
     def _make_room(self) -> list[tuple[Row, Step]]:
-        """Before a step: while the running sequences' KV would pass the engine's memory, the newest
-        but the oldest is preempted (as vLLM does), once vacant slots are cut out and the prompt
-        cache has given way; then preempted ones resume, oldest first, where they fit again. Returns
-        the steps read early (a pipelined row's token in flight)."""
+        """Before a step: while the running sequences' KV would pass the engine's memory, vacant
+        slots are cut out, then the newest sequence but the oldest is preempted (as vLLM does); then
+        preempted ones resume, oldest first, where they fit again. The prompt cache keeps what they
+        leave. Returns the steps read early (a pipelined row's token in flight)."""
         out: list[tuple[Row, Step]] = []
         running = self._running()
         if self._reserved(running) > self._pool:
-            for g in self._groups:
-                g.compact()
-            running = self._running()
+            self._compact_groups()
         while self._reserved(running) > self._pool and len(running) > 1:
             out += self._preempt(running.pop())
         for s in [s for s in self._reading if s.parked]:
@@ -654,6 +654,13 @@ class MLXEngine(Engine):
             running.append(s)
         self._resize_prompt_cache()
         return out
+
+    def _compact_groups(self) -> bool:
+        """Cut every vacant slot out of the decode groups; whether there was one."""
+        vacant = any(g.vacancies for g in self._groups)
+        for g in self._groups:
+            g.compact()
+        return vacant
 
     def _preempt(self, s: _Sequence) -> list[tuple[Row, Step]]:
         """Take back a sequence's state (offered to the prompt cache, so that reading it again is
