@@ -388,6 +388,25 @@ def test_sequences_that_outgrow_the_memory_are_preempted_and_answer_as_alone(smo
     engine.close()
 
 
+def test_slots_rows_left_are_cut_out_for_a_newcomer_that_would_not_fit_beside_them(smollm, monkeypatch):
+    """Five short rows decode with slots kept; two leave, their slots kept vacant. A newcomer twice
+    as long would need five rows of its length beside them, more than the memory (eight 256-token
+    sequences); without the vacant slots, four fit, and it is admitted at once."""
+    engine = preempting(smollm, monkeypatch, 8, max_batch=6, pipelined=True, keep_slots=True, cache_bytes=0)
+    rng = random.Random(5)
+    vocab = engine.tokenizer.vocab_size
+    for seq in range(5):
+        engine.add(seq, [rng.randrange(vocab) for _ in range(20)], SamplingParams(temperature=0), 40)
+    while len({seq for seq, _ in engine.step(4096)}) < 5:
+        pass
+    engine.remove(1)
+    engine.remove(3)
+    engine.add(5, [rng.randrange(vocab) for _ in range(300)], SamplingParams(temperature=0), 8)
+    out = [seq for _ in range(16) for seq, _ in engine.step(4096)]
+    assert 5 in out and engine.cache_stats()["kv_preemptions"] == 0
+    engine.close()
+
+
 def test_preempted_sequences_resume_before_newcomers_are_admitted(smollm, monkeypatch):
     """While a preempted sequence waits for room, a newcomer is told NoCapacity (it waits in the
     worker's queue behind it), so preemption never starves a sequence."""
