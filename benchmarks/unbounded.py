@@ -63,8 +63,8 @@ def together(server: Server, n: int) -> dict:
     """``n`` requests sent at once."""
     results = [{} for _ in range(n)]
     start = time.perf_counter()
-    threads = [threading.Thread(target=stream, args=(server, QUESTIONS[i % len(QUESTIONS)], start, results[i]))
-               for i in range(n)]
+    threads = [threading.Thread(target=stream, args=(server, QUESTIONS[i % len(QUESTIONS)], start, out))
+               for i, out in enumerate(results)]
     for t in threads:
         t.start()
     for t in threads:

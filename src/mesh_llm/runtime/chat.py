@@ -76,8 +76,8 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], room: int 
     """Token ids of the rendered conversation. The template writes any BOS itself, as in Hugging Face.
     A control token's text inside a message (``<|im_end|>`` in a pasted file, or in code an agent
     wrote) or a tool's definition is encoded as plain text, so none can close its turn or open
-    another role's: only the template's own markup becomes control tokens. Llama-server, vLLM and mlx-lm tokenize the
-    rendered text whole, where it does.
+    another role's: only the template's own markup becomes control tokens (llama-server, vLLM and
+    mlx-lm tokenize the rendered text whole, where it does).
     :class:`~mesh_llm.runtime.prompt_limit.PromptTooLong` when it provably has more than ``room``."""
     literals = _Literals.find(tokenizer.control_texts, {"messages": messages, **extra})
     if literals is None:
@@ -94,9 +94,9 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], room: int 
 
 class _Literals:
     """The control-token texts found in the strings a template renders (the messages, the tools),
-    each swapped for a placeholder while it renders: private-use characters that no message holds, which
-    every tokenizer reads as plain text. The rendered text is then encoded piece by piece, cut at
-    the placeholders. A cut stands where the whole text holds a control token, a boundary no token
+    each swapped for a placeholder while it renders: the text's index between two private-use
+    characters that no string holds. The rendered text is then encoded piece by piece, cut at the
+    placeholders. A cut stands where the whole text holds a control token, a boundary no token
     crosses either way, so the markup around it encodes as it would in the whole text (an SPM
     tokenizer's space prefix, which follows any control token, included)."""
 
