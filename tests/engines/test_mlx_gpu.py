@@ -155,6 +155,48 @@ def test_eight_batched_sequences_match_their_solo_runs_on_the_gpu(checkpoints):
         engine.close()
 
 
+def test_sequences_preempted_on_the_gpu_answer_as_alone(checkpoints, monkeypatch):
+    """The GPU's pipelined read, slots kept and chunks read together, with KV memory for three
+    256-token sequences (``--kv-memory``; one 768-token context) and room for 8 answer tokens: three ~240-token prompts
+    without max_tokens outgrow it, the newest two are preempted mid-answer (their token in flight
+    read first) and resume; each answers as alone (seeded rows: the same draws)."""
+    import sys
+
+    from batch_runs import Case, compare, run_alone
+
+    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.engines.mlx_cache import Footprint
+
+    for name, path, tolerance in _batch_models(checkpoints):
+        alone_engine = MLXEngine.load(path, EngineOptions(ctx_size=1024, prefill_step=64, cache_bytes=0))
+        monkeypatch.setattr(sys.modules[MLXEngine.__module__], "ANSWER_HEADROOM", 8)
+        kv = 2 * Footprint.measure(alone_engine._model).bytes(256)
+        engine = MLXEngine.load(path, EngineOptions(ctx_size=768, prefill_step=64, cache_bytes=0, max_batch=3,
+                                                    kv_bytes=3 * kv + kv // 2))
+        vocab = engine.tokenizer.vocab_size
+        rng = random.Random(name)
+        params = [lambda: SamplingParams(temperature=0, logprobs=3),
+                  lambda: SamplingParams(temperature=0.9, seed=1, logprobs=2),
+                  lambda: SamplingParams(temperature=0.9, seed=2, logprobs=2)]
+        cases = [Case([rng.randrange(3, min(vocab, 300)) for _ in range(n)], p, 24)
+                 for n, p in zip((236, 240, 244), params)]
+        steps = {i: [] for i in range(3)}
+        for i, case in enumerate(cases):
+            engine.add(i, case.prompt, case.params(), 768 - len(case.prompt))  # the whole context
+        while any(len(steps[i]) < 24 for i in range(3)):
+            for seq, step in engine.step(4096):
+                steps[seq].append(step)
+                if len(steps[seq]) == 24:
+                    engine.remove(seq)
+        assert engine.cache_stats()["kv_preemptions"] >= 2, name
+        for i, case in enumerate(cases):
+            result = compare(run_alone(alone_engine, case), steps[i], tolerance)
+            assert i == 0 or result.diverged_at is None, f"{name}: seeded row {i} diverged"
+        engine.close()
+        alone_engine.close()
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("rows,bounded", [(6, False), (1, False), (6, True), (1, True)])
 @pytest.mark.parametrize("heads,kv_heads,size,keys,dtype", [
     (14, 2, 64, 700, "float16"), (28, 4, 128, 37, "float16"), (8, 8, 96, 300, "bfloat16"), (4, 4, 64, 129, "float32")])
