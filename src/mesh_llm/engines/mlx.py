@@ -113,7 +113,6 @@ class _Sequence(Row):
         self.first = self.alive = True
         self.group: DecodeGroup | None = None
         self.parked = False  # preempted: holds nothing, and resumes once its room is free again
-        self.least = len(prompt) + min(max_tokens, ANSWER_HEADROOM)  # tokens it is reserved room for
 
     def preempted(self) -> None:
         """Its state was taken back (``MLXEngine._preempt``): it will read what it held and the
@@ -121,7 +120,6 @@ class _Sequence(Row):
         constraint where they stood."""
         answered = len(self.tokens) - len(self.prompt)
         self.prompt, self.max_tokens = list(self.tokens), max(1, self.max_tokens - answered)
-        self.least = len(self.prompt) + min(self.max_tokens, ANSWER_HEADROOM)
         self.cache = self.shared = self.group = None
         self.read = self.fed = 0
         self.parked = True
@@ -337,19 +335,27 @@ class MLXEngine(Engine):
         if s is None:
             return
         s.alive = False
+        state, held = self._release(s)
+        self._resize_prompt_cache()
+        if state is not None and held > 0:
+            self._keep(s.tokens[:held], state)
+
+    def _release(self, s: _Sequence, vacate: bool = True) -> tuple[list[Any] | None, int]:
+        """Take a sequence out of its decode group (``vacate``: its slot may stay, see
+        ``DecodeGroup.leave``) or out of the prompts being read; returns its own layer caches, if
+        any, and how many leading tokens they hold."""
         if s.group is None:
             self._reading.remove(s)
             state, held, s.cache = s.cache, s.read, None
             if s.shared is not None and state is not None:  # views would hold the whole batch
                 state = _kv_prefixes(state, held)
-        else:
-            state, held = s.group.leave(s), s.fed
-            if not s.group:
-                self._groups.remove(s.group)
-            s.group = None
-        self._resize_prompt_cache()
-        if state is not None and held > 0:
-            self._keep(s.tokens[:held], state)
+            return state, held
+        group, held = s.group, s.fed
+        state = group.leave(s, vacate)
+        if not group:
+            self._groups.remove(group)
+        s.group = None
+        return state, held
 
     def warm_up(self) -> float:
         """Run once, before the first request, the shapes serving uses: MLX's CUDA backend compiles
@@ -631,7 +637,8 @@ class MLXEngine(Engine):
     def _claim(self, s: _Sequence) -> int:
         """The tokens a sequence is given room for: its prompt and ``ANSWER_HEADROOM`` tokens, or what
         it holds and its next token, whichever is more, never past where it must end."""
-        return min(len(s.prompt) + s.max_tokens, self._context, max(s.least, s.state_tokens() + 2))
+        start = len(s.prompt) + min(s.max_tokens, ANSWER_HEADROOM)
+        return min(len(s.prompt) + s.max_tokens, self._context, max(start, s.state_tokens() + 2))
 
     def _running(self) -> list[_Sequence]:
         return [s for s in self._seqs.values() if not s.parked]
@@ -643,16 +650,21 @@ class MLXEngine(Engine):
         leave. Returns the steps read early (a pipelined row's token in flight)."""
         out: list[tuple[Row, Step]] = []
         running = self._running()
-        if self._reserved(running) > self._pool:
-            self._compact_groups()
-        while self._reserved(running) > self._pool and len(running) > 1:
+        reserved = self._reserved(running)
+        if reserved > self._pool and self._compact_groups():
+            reserved = self._reserved(running)
+        while reserved > self._pool and len(running) > 1:
             out += self._preempt(running.pop())
-        for s in [s for s in self._reading if s.parked]:
-            if self._reserved([*running, s]) > self._pool:
+            reserved = self._reserved(running)
+        for s in self._reading:
+            if not s.parked:
+                continue
+            more = self._reserved([*running, s])
+            if more > self._pool:
                 break
-            s.parked = False
+            s.parked, reserved = False, more
             running.append(s)
-        self._resize_prompt_cache()
+        self._resize_prompt_cache(reserved)
         return out
 
     def _compact_groups(self) -> bool:
@@ -666,18 +678,10 @@ class MLXEngine(Engine):
         """Take back a sequence's state (offered to the prompt cache, so that reading it again is
         mostly a restore); it waits, parked, to read again what it held. Its group's step in flight
         is read first, so that the token it sampled there is kept."""
-        out, held, state = [], s.state_tokens(), s.cache
-        if s.group is not None:
-            group = s.group
-            if group.unread is not None:
-                out, group.unread = group.read(group.unread), None
-            state = group.leave(s, vacate=False)
-            if not group:
-                self._groups.remove(group)
-        else:
-            self._reading.remove(s)
-            if s.shared is not None and state is not None:  # views would hold the whole batch
-                state = _kv_prefixes(state, held)
+        out = []
+        if s.group is not None and s.group.unread is not None:
+            out, s.group.unread = s.group.read(s.group.unread), None
+        state, held = self._release(s, vacate=False)
         log.info("the KV memory (%.0f MB) is full: sequence %d preempted after %d tokens, to be read "
                  "again", self._pool / 1e6, s.id, len(s.tokens))
         tokens = s.tokens[:held]
@@ -703,10 +707,11 @@ class MLXEngine(Engine):
         typical = min(self._context, TYPICAL_SEQUENCE)
         return max(1, min(cap, self._pool // self._footprint_bytes(typical)))
 
-    def _resize_prompt_cache(self) -> None:
-        """The prompt cache keeps what the live sequences leave of the engine's memory."""
+    def _resize_prompt_cache(self, reserved: int | None = None) -> None:
+        """The prompt cache keeps what the live sequences leave of the engine's memory (``reserved``:
+        what they hold, where the caller has counted it)."""
         if self._caching:
-            room = self._pool - self._reserved(self._running())
+            room = self._pool - (self._reserved(self._running()) if reserved is None else reserved)
             self._prompts.resize(max(0, min(self._cache_bytes, room)))
 
     def _keep(self, tokens: list[int], cache: list[Any]) -> None:

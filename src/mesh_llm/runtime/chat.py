@@ -106,11 +106,10 @@ class _Literals:
 
     @classmethod
     def find(cls, control: frozenset[str], variables: dict[str, Any]) -> _Literals | None:
-        strings = list(_strings(variables))
         pattern = _pattern(control)
-        if pattern is None or not any(pattern.search(s) for s in strings):
+        if pattern is None or not any(pattern.search(s) for s in _strings(variables)):
             return None
-        held = "\0".join(strings)
+        held = "\0".join(_strings(variables))
         mark = next(chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in held)
         texts: list[str] = []
 
