@@ -538,6 +538,25 @@ kernels)  # carry [".device/b"], after build and stage: the decode attention bui
   python3 -c "import cProfile, pstats, sys; sys.modules['torch'] = None; cProfile.run('import mlx_lm.utils', '/tmp/imp.prof'); pstats.Stats('/tmp/imp.prof').sort_stats('tottime').print_stats(25)" \
     2>&1 | tee "$OUT/import-profile.txt" | grep -A30 "ncalls" | head -32 || true
   ;;
+qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"): issue 11's --quantize 4,
+  # mesh-llm's 4-bit decode kernel (engines/mlx_quantized.py): its GPU tests and the other MLX GPU
+  # tests, its products against MLX's and whole decode steps (benchmarks/gpu_qmv.py), then the 7B
+  # engine's raw batched decode at 16 bits and at 4 bits with the kernel off and on
+  mlx_env
+  export MLX_PTX_CACHE_DIR=/tmp/ptx-q
+  wait_model qwen2.5-0.5b
+  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -12 || true
+  wait_model qwen2.5-7b
+  timeout 240 python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" 2>&1 | grep -v Warning \
+    | tee "$OUT/qmv.txt" | tail -60 || true
+  for q in "" "4 0" "4 1"; do
+    set -- $q
+    MESH_LLM_QUANTIZED_DECODE=${2:-1} timeout 150 python3 benchmarks/engines.py --engine mlx \
+      --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 --prompt-tokens 640 --decode-tokens 128 --runs 1 \
+      ${1:+--quantize $1} --out "$OUT/engines-7b${1:+-q$1-kernel$2}.json" 2>&1 | tail -4 || true
+  done
+  ;;
 newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams, where eight prompts
   # arrive at once: rounds of 1 and 8 through the scheduler, then the slowest steps of 8 under cProfile
   mlx_env

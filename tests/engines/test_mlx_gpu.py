@@ -259,3 +259,72 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     assert mx.array_equal(first, again).item()
     with pytest.raises(AssertionError, match="compiled again"):
         nvrtc.cubin("changed", kernel_source("changed", mx.float16, 14, 2, 64, False) + "// changed\n")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,k,group,dtype", [
+    (4100, 1088, 64, "float16"), (512, 3584, 64, "float16"), (300, 896, 32, "bfloat16"),
+    (5000, 640, 128, "float32"), (151936, 896, 64, "float16")])
+def test_the_4bit_decode_product_matches_the_dequantized_weights(rows, n, k, group, dtype):
+    """engines/mlx_quantized.py against a float32 product of the dequantized weights: outputs not a
+    multiple of a block's (4,100), inputs not a multiple of a warp's 512 (1,088, 640), each group size
+    and activation type, several output rows a warp (over 4,096 outputs) and one, 1-8 activation
+    rows; within the output type's rounding, and no farther than MLX's own quantized product."""
+    import mlx.core as mx
+
+    from mesh_llm.engines.mlx_quantized import qmv
+
+    if not mx.cuda.is_available():
+        pytest.skip("the kernel is CUDA's")
+    dt = getattr(mx, dtype)
+    w = (mx.random.normal((n, k), key=mx.random.key(4)) * k ** -0.5).astype(dt)
+    q = mx.quantize(w, group, 4)
+    x = mx.random.normal((rows, 1, k), key=mx.random.key(5)).astype(dt)
+    reference = x.astype(mx.float32) @ mx.dequantize(*q, group, 4).astype(mx.float32).T
+    ours = qmv(x, *q, group)
+    theirs = mx.quantized_matmul(x, *q, transpose=True, group_size=group, bits=4)
+    assert ours.shape == theirs.shape == (rows, 1, n) and ours.dtype == dt
+    error = mx.max(mx.abs(ours.astype(mx.float32) - reference)).item()
+    their_error = mx.max(mx.abs(theirs.astype(mx.float32) - reference)).item()
+    scale = mx.max(mx.abs(reference)).item()
+    rounding = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    assert error <= rounding * scale, (error, their_error, scale)
+    assert error <= their_error * 1.5 + 1e-6, (error, their_error)
+
+
+def test_a_4bit_model_decodes_as_with_mlxs_quantized_products(checkpoints):
+    """`--quantize 4` on a GPU routes decode products of 1-8 rows to the kernel and prompts to MLX's:
+    a batch of 3 decoded for 12 steps with MLX's products, then the same tokens fed with the layers
+    routed, gives logits within 2% of their size, and the same greedy token wherever the top two are
+    farther apart than the two runs."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mesh_llm.engines import mlx_quantized
+    from mesh_llm.engines.mlx_load import load_any
+
+    if not mx.cuda.is_available():
+        pytest.skip("the kernel is CUDA's")
+    folder = os.environ.get("MESH_LLM_GPU_MODEL") or str(checkpoints["llama"].path)
+    model, *_, details, _ = load_any(Path(folder), EngineOptions(quantize=4))
+    assert "quantized_decode" in details, details
+    prompt = mx.array([[(7 * i + r) % 100 + 3 for i in range(40)] for r in range(3)])
+    tokens, runs = [], []
+    for on in (False, True):
+        assert mlx_quantized.route(model, on) > 0
+        cache = make_prompt_cache(model)
+        logits = model(prompt, cache=cache)[:, -1]
+        steps = []
+        for step in range(12):
+            if not on:
+                tokens.append(mx.argmax(logits, axis=-1))
+            steps.append(logits.astype(mx.float32))
+            logits = model(tokens[step][:, None], cache=cache)[:, -1]
+        mx.eval(steps, tokens)
+        runs.append(steps)
+    for off, on in zip(*runs):
+        scale, gap = mx.max(mx.abs(off)).item(), mx.max(mx.abs(on - off)).item()
+        assert gap <= 0.02 * scale, (gap, scale)
+        top2 = mx.sort(off, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * gap
+        assert mx.all(mx.where(clear, mx.argmax(on, axis=-1) == mx.argmax(off, axis=-1), True)).item()

@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
 from mesh_llm.engines.mlx_projections import fuse_projections
+from mesh_llm.engines.mlx_quantized import install as quantized_decode
 from mesh_llm.models.spec import home_dir
 
 log = logging.getLogger(__name__)
@@ -291,6 +292,8 @@ def load_any(path: Path, options: EngineOptions, progress=None):
     details = prepare(model, config, options, path)
     if on_gpu() and (fused := fuse_projections(model)):  # a CPU's step is bound by arithmetic
         details["projections"] = f"q/k/v and gate/up as one product each ({fused} layers)"
+    if routed := quantized_decode(model):  # on CUDA only
+        details["quantized_decode"] = f"4-bit decode products in one kernel ({routed} layers)"
     materialize(model, path, progress)
     ctx = options.ctx_size or text_config(config).get("max_position_embeddings") or DEFAULT_CONTEXT
     return model, config, tokenizer, fmt, details, int(ctx)
