@@ -58,16 +58,24 @@ def products(shapes: list[str]) -> list[dict]:
                 errors = {label_: mx.max(mx.abs(fn(x, ws[0]).astype(mx.float32) - reference)).item()
                           for label_, fn in (("mlx", mlx), ("kernel", kernel))}
                 t_mlx, t_ker = time_calls(mlx, x, ws), time_calls(kernel, x, ws)
+                variants = {}  # the kernel's settings against its defaults, where it matters most
+                if n * k >= 3584 * 3584 and rows in (1, 8):
+                    for per_warp in (1, 2, 4):
+                        for unroll in (1, 2, 4):
+                            variants[f"r{per_warp}u{unroll}"] = time_calls(
+                                lambda x, q: mlx_quantized.qmv(x, *q, GROUP, per_warp, unroll), x, ws) * 1e6
                 row = {"shape": name, "matrix": label, "n": n, "k": k, "rows": rows,
                        "mlx_us": t_mlx * 1e6, "kernel_us": t_ker * 1e6,
                        "mlx_gbs": size / t_mlx / 1e9, "kernel_gbs": size / t_ker / 1e9,
                        "speedup": t_mlx / t_ker, "mlx_err": errors["mlx"], "kernel_err": errors["kernel"],
-                       "scale": mx.max(mx.abs(reference)).item()}
+                       "scale": mx.max(mx.abs(reference)).item(), "variants_us": variants}
                 rows_out.append(row)
                 print(f"{name:13} {label:8} {n:6}x{k:<6} rows {rows}: MLX {row['mlx_us']:8.1f} us "
                       f"({row['mlx_gbs']:6.0f} GB/s)  kernel {row['kernel_us']:8.1f} us "
                       f"({row['kernel_gbs']:6.0f} GB/s)  x{row['speedup']:.2f}  "
                       f"err {errors['mlx']:.1e} / {errors['kernel']:.1e} of {row['scale']:.1e}", flush=True)
+                if variants:
+                    print("    variants (us): " + "  ".join(f"{v} {t:.1f}" for v, t in variants.items()), flush=True)
             del ws
             mx.clear_cache()
     return rows_out

@@ -557,6 +557,25 @@ qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"):
       ${1:+--quantize $1} --out "$OUT/engines-7b${1:+-q$1-kernel$2}.json" 2>&1 | tail -4 || true
   done
   ;;
+conc-q4)  # carry [".device/x"] (the server's llguidance), after qmv: the 7B shape through HTTP at 16 bits
+  # and pre-quantized to 4 bits (mesh_llm.bench.synth --quantize 4), 1 and 8 streams, the 4-bit decode
+  # kernel on and off (MESH_LLM_QUANTIZED_DECODE), in the order ORDER gives
+  mlx_env
+  wait_model qwen2.5-7b
+  if [ ! -f "$models/qwen2.5-7b-q4.done" ]; then
+    python3 -m mesh_llm.bench.synth qwen2.5-7b "$models" --vocab /tmp/vocab/ggml-vocab-qwen2.gguf --quantize 4 | tail -1
+    ln -sf "$models/qwen2.5-7b.gguf" "$models/qwen2.5-7b-q4.gguf" && touch "$models/qwen2.5-7b-q4.done"
+  fi
+  mkdir -p "$conc"
+  n=0
+  for t in ${ORDER:-16 q4 q4-off 16 q4 q4-off}; do
+    n=$((n + 1)); shape=qwen2.5-7b; kernel=1
+    case $t in q4) shape=qwen2.5-7b-q4 ;; q4-off) shape=qwen2.5-7b-q4; kernel=0 ;; esac
+    MESH_LLM_QUANTIZED_DECODE=$kernel TAG=-$t$n RUNS=${RUNS:-2} run_conc "$shape" "${LEVELS:-1,8}" mesh-mlx 120
+  done
+  for f in "$conc"/*-conc-q4-*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
+  logs_to_out conc-q4-logs.tar.gz
+  ;;
 newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams, where eight prompts
   # arrive at once: rounds of 1 and 8 through the scheduler, then the slowest steps of 8 under cProfile
   mlx_env

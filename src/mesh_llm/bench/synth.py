@@ -6,6 +6,9 @@ from any GGUF that has them (llama.cpp's vocab-only ``models/ggml-vocab-*.gguf``
 llama-cpp-python sdist, or the embedded SmolLM2 GGUF). Run it where the benchmark runs::
 
     python -m mesh_llm.bench.synth qwen2.5-7b OUT_DIR --vocab ggml-vocab-qwen2.gguf --dtype float16
+
+``--quantize 4`` also writes ``<shape>-q4-mlx/``: the MLX folder's products quantized as mlx-lm's
+``convert -q`` writes them (affine, groups of 64), served as a pre-quantized model is.
 """
 
 from __future__ import annotations
@@ -86,6 +89,31 @@ def write_pair(shape_name: str, out_dir: Path, vocab_gguf: Path, dtype: str = "f
     return folder, path
 
 
+def write_quantized(folder: Path, bits: int, group_size: int = 64) -> Path:
+    """A copy of an MLX folder beside it (``<name>-q<bits>-mlx``) whose linear and embedding weights
+    are quantized with MLX itself, with ``config["quantization"]`` saying so."""
+    import shutil
+
+    import mlx.core as mx
+
+    out = folder.with_name(folder.name.removesuffix("-mlx") + f"-q{bits}-mlx")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for name, w in mx.load(str(folder / "model.safetensors")).items():
+        if name.endswith("weight") and w.ndim == 2 and w.shape[-1] % group_size == 0 and "norm" not in name:
+            stem = name.removesuffix("weight")
+            weights[name], weights[stem + "scales"], weights[stem + "biases"] = mx.quantize(w, group_size, bits)
+        else:
+            weights[name] = w
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, out / name)
+    return out
+
+
 def _weights(shape: Shape, n_vocab: int, dtype: np.dtype, seed: int) -> dict[str, np.ndarray]:
     """Hugging Face-named tensors. Values come from one random pool, cycled: cheap for 7B shapes."""
     pool = (np.random.default_rng(seed).standard_normal(1 << 22, dtype=np.float32) * 0.02).astype(dtype)
@@ -163,9 +191,15 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--vocab", type=Path, required=True, help="a GGUF with tokenizer.* metadata")
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    parser.add_argument("--quantize", type=int, choices=[4, 8], help="also a quantized copy of the MLX folder")
     args = parser.parse_args()
-    folder, gguf_path = write_pair(args.shape, args.out_dir, args.vocab, args.dtype)
+    folder = args.out_dir / f"{args.shape}-mlx"
+    gguf_path = args.out_dir / f"{args.shape}.gguf"
+    if not (folder / "model.safetensors").exists() or not gguf_path.exists():
+        folder, gguf_path = write_pair(args.shape, args.out_dir, args.vocab, args.dtype)
     print(f"--model-pair {folder},{gguf_path}")
+    if args.quantize:
+        print(f"--model-pair {write_quantized(folder, args.quantize)},{gguf_path}")
 
 
 if __name__ == "__main__":

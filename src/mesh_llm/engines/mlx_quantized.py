@@ -78,6 +78,7 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
     float acc[R][M];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    #pragma unroll UNROLL
     for (int base = lane * 16; base < k; base += 32 * 16) {
         uint2 packed[R];
         float scale[R], bias[R];
@@ -118,6 +119,7 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
 """
 
 _WARPS = 4  # a block's warps
+UNROLL = 2  # iterations of the inputs' loop unrolled: the next weights' loads issued early
 _binaries: dict[tuple, tuple[str, bytes]] = {}  # per shape: the kernel's name and cubin
 
 
@@ -129,21 +131,23 @@ def rows_per_warp(rows: int, outputs: int) -> int:
     return 4 if rows <= 2 else 2
 
 
-def kernel_source(name: str, dtype: str, rows: int, per_warp: int, group_size: int) -> str:
-    return (f"#define M {rows}\n#define R {per_warp}\n#define GS {group_size}\n" + _TYPES[dtype]
-            + _SOURCE.replace("NAME", name))
+def kernel_source(name: str, dtype: str, rows: int, per_warp: int, group_size: int, unroll: int = 1) -> str:
+    return (f"#define M {rows}\n#define R {per_warp}\n#define GS {group_size}\n#define UNROLL {unroll}\n"
+            + _TYPES[dtype] + _SOURCE.replace("NAME", name))
 
 
-def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+        per_warp: int | None = None, unroll: int = UNROLL) -> mx.array:
     """``x @ dequantize(w).T`` for 4-bit affine weights ``w`` (n, k / 8) and 1-8 rows of ``x``
-    (..., k); returns (..., n) in ``x``'s dtype."""
+    (..., k); returns (..., n) in ``x``'s dtype. ``per_warp`` and ``unroll`` (of the inputs' loop)
+    are for benchmarks/gpu_qmv.py to compare."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     dtype = str(x.dtype).rsplit(".", 1)[-1]
-    per_warp = rows_per_warp(rows, n)
-    shape = (dtype, rows, per_warp, group_size)
+    per_warp = per_warp or rows_per_warp(rows, n)
+    shape = (dtype, rows, per_warp, group_size, unroll)
     if shape not in _binaries:
-        name = f"mesh_llm_qmv4_{dtype}_m{rows}_r{per_warp}_g{group_size}"
+        name = f"mesh_llm_qmv4_{dtype}_m{rows}_r{per_warp}_g{group_size}_u{unroll}"
         _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, *shape))
     name, binary = _binaries[shape]
     blocks = -(-n // (per_warp * _WARPS))
