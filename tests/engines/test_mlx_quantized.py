@@ -1,0 +1,86 @@
+"""engines/mlx_quantized.py where a CPU can check it: which layers the 4-bit decode kernel takes and
+that routing them is undone exactly; that the engine routes nothing off CUDA; and a pre-quantized
+folder (``mesh_llm.bench.synth --quantize 4``, what the H200's 4-bit runs serve) loads and predicts
+as its float source does. The kernel itself runs on CUDA only: test_mlx_gpu.py checks it there."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh_llm.engines import engine_class, is_installed
+from mesh_llm.engines.base import EngineOptions
+
+if not is_installed("mlx"):  # checked without importing mlx.core, which must come after the BLAS fix
+    pytest.skip("the mlx extra is not installed", allow_module_level=True)
+
+MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
+
+
+def test_the_kernel_takes_4bit_affine_layers_and_routing_is_undone():
+    import mlx.core as mx
+    from mlx import nn
+
+    from mesh_llm.engines import mlx_quantized
+
+    layers = {
+        "4-bit g64": nn.QuantizedLinear(128, 64, bits=4, group_size=64),
+        "4-bit g32, bias": nn.QuantizedLinear(64, 32, bias=True, bits=4, group_size=32),
+        "4-bit embedding": nn.QuantizedEmbedding(100, 128, bits=4, group_size=128),
+        "8-bit": nn.QuantizedLinear(128, 64, bits=8, group_size=64),
+        "mxfp4": nn.QuantizedLinear(128, 64, mode="mxfp4"),
+        "float": nn.Linear(128, 64),
+    }
+    model = nn.Sequential(*layers.values())
+    fitting = {name for name, layer in layers.items() if isinstance(layer, (nn.QuantizedLinear,
+                                                                           nn.QuantizedEmbedding))
+               and mlx_quantized.fits(layer)}
+    assert fitting == {"4-bit g64", "4-bit g32, bias", "4-bit embedding"}
+    assert mlx_quantized.install(model) == 0  # not on CUDA
+    assert mlx_quantized.route(model, True) == 3
+    assert type(layers["4-bit g64"]) is mlx_quantized.DecodeQuantizedLinear
+    assert type(layers["4-bit embedding"]) is mlx_quantized.DecodeQuantizedEmbedding
+    assert type(layers["8-bit"]) is nn.QuantizedLinear
+    # more rows than a decode step's go to MLX's own product, as before routing
+    x = mx.random.normal((3, 4, 64), key=mx.random.key(0))
+    routed = layers["4-bit g32, bias"]
+    expected = nn.QuantizedLinear.__call__(routed, x)
+    assert mx.array_equal(routed(x), expected).item()
+    assert mlx_quantized.route(model, False) == 3
+    assert {type(layer).__name__ for layer in layers.values()} == {"QuantizedLinear", "QuantizedEmbedding",
+                                                                    "Linear"}
+
+
+def test_a_pre_quantized_folder_loads_and_predicts_as_its_source(tmp_path, default_gguf):
+    """synth --quantize 4: every product and the embedding quantized (affine, groups of 64) with
+    ``config["quantization"]`` saying so; on a CPU the engine dequantizes it on load (no 4-bit decode
+    kernel here) and scores within 4-bit rounding of the float folder, the same top token where the
+    float one's two best are clearly apart."""
+    import json
+
+    import numpy as np
+    from safetensors import safe_open
+
+    from mesh_llm.bench.synth import write_pair, write_quantized
+
+    folder, _ = write_pair("tiny", tmp_path, default_gguf, dtype="float32")
+    quantized = write_quantized(folder, 4)
+    assert quantized.name == "tiny-q4-mlx"
+    assert json.loads((quantized / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": 4}
+    with safe_open(quantized / "model.safetensors", "np") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.down_proj.scales" in names and "model.embed_tokens.biases" in names
+    assert not any(n.endswith("norm.scales") for n in names)
+    engines = [MLXEngine.load(path, EngineOptions(warm_up=False, cache_bytes=0)) for path in (folder, quantized)]
+    try:
+        assert engines[1].info().details["quantization"] == "dequantized from 4-bit affine g64"
+        assert "quantized_decode" not in engines[1].info().details
+        ids = [(13 * i + 5) % 1000 + 10 for i in range(48)]
+        source, ours = (e.score(ids) for e in engines)
+        assert np.abs(ours - source).max() <= 0.15 * np.abs(source).max()  # measured 0.097
+        top2 = np.sort(source, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(ours - source).max(-1)
+        assert clear.any()
+        assert (ours.argmax(-1) == source.argmax(-1))[clear].all()
+    finally:
+        for e in engines:
+            e.close()
