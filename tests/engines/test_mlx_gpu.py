@@ -262,14 +262,15 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
-@pytest.mark.parametrize("n,k,group,dtype", [
-    (4100, 1088, 64, "float16"), (512, 3584, 64, "float16"), (300, 896, 32, "bfloat16"),
-    (5000, 640, 128, "float32"), (151936, 896, 64, "float16")])
-def test_the_4bit_decode_product_matches_the_dequantized_weights(rows, n, k, group, dtype):
+@pytest.mark.parametrize("n,k,group,dtype,bits", [
+    (4100, 1088, 64, "float16", 4), (512, 3584, 64, "float16", 4), (300, 896, 32, "bfloat16", 4),
+    (5000, 640, 128, "float32", 4), (151936, 896, 64, "float16", 4), (4100, 1088, 64, "float16", 8),
+    (300, 896, 32, "bfloat16", 8)])
+def test_the_quantized_decode_product_matches_the_dequantized_weights(rows, n, k, group, dtype, bits):
     """engines/mlx_quantized.py against a float32 product of the dequantized weights: outputs not a
     multiple of a block's (4,100), inputs not a multiple of a warp's 512 (1,088, 640), each group size
-    and activation type, several output rows a warp (over 4,096 outputs) and one, 1-8 activation
-    rows; within the output type's rounding, and no farther than MLX's own quantized product."""
+    and activation type, 4 and 8 bits, several output rows a warp (over 4,096 outputs) and one, 1-8
+    activation rows; within the output type's rounding, and no farther than MLX's own product."""
     import mlx.core as mx
 
     from mesh_llm.engines.mlx_quantized import qmv
@@ -278,11 +279,11 @@ def test_the_4bit_decode_product_matches_the_dequantized_weights(rows, n, k, gro
         pytest.skip("the kernel is CUDA's")
     dt = getattr(mx, dtype)
     w = (mx.random.normal((n, k), key=mx.random.key(4)) * k ** -0.5).astype(dt)
-    q = mx.quantize(w, group, 4)
+    q = mx.quantize(w, group, bits)
     x = mx.random.normal((rows, 1, k), key=mx.random.key(5)).astype(dt)
-    reference = x.astype(mx.float32) @ mx.dequantize(*q, group, 4).astype(mx.float32).T
-    ours = qmv(x, *q, group)
-    theirs = mx.quantized_matmul(x, *q, transpose=True, group_size=group, bits=4)
+    reference = x.astype(mx.float32) @ mx.dequantize(*q, group, bits).astype(mx.float32).T
+    ours = qmv(x, *q, group, bits)
+    theirs = mx.quantized_matmul(x, *q, transpose=True, group_size=group, bits=bits)
     assert ours.shape == theirs.shape == (rows, 1, n) and ours.dtype == dt
     error = mx.max(mx.abs(ours.astype(mx.float32) - reference)).item()
     their_error = mx.max(mx.abs(theirs.astype(mx.float32) - reference)).item()
