@@ -1,4 +1,4 @@
-"""engines/mlx_quantized.py where a CPU can check it: which layers the 4-bit decode kernel takes and
+"""engines/mlx_quantized.py where a CPU can check it: which layers the quantized decode kernel takes and
 that routing them is undone exactly; that the engine routes nothing off CUDA; and a pre-quantized
 folder (``mesh_llm.bench.synth --quantize 4``, what the H200's 4-bit runs serve) loads and predicts
 as its float source does. The kernel itself runs on CUDA only: test_mlx_gpu.py checks it there."""
@@ -16,7 +16,7 @@ if not is_installed("mlx"):  # checked without importing mlx.core, which must co
 MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
 
 
-def test_the_kernel_takes_4bit_affine_layers_and_routing_is_undone():
+def test_the_kernel_takes_4_and_8bit_affine_layers_and_routing_is_undone():
     import mlx.core as mx
     from mlx import nn
 
@@ -34,18 +34,18 @@ def test_the_kernel_takes_4bit_affine_layers_and_routing_is_undone():
     fitting = {name for name, layer in layers.items() if isinstance(layer, (nn.QuantizedLinear,
                                                                            nn.QuantizedEmbedding))
                and mlx_quantized.fits(layer)}
-    assert fitting == {"4-bit g64", "4-bit g32, bias", "4-bit embedding"}
+    assert fitting == {"4-bit g64", "4-bit g32, bias", "4-bit embedding", "8-bit"}
     assert mlx_quantized.install(model) == 0  # not on CUDA
-    assert mlx_quantized.route(model, True) == 3
+    assert mlx_quantized.route(model, True) == 4
     assert type(layers["4-bit g64"]) is mlx_quantized.DecodeQuantizedLinear
     assert type(layers["4-bit embedding"]) is mlx_quantized.DecodeQuantizedEmbedding
-    assert type(layers["8-bit"]) is nn.QuantizedLinear
+    assert type(layers["mxfp4"]) is nn.QuantizedLinear
     # more rows than a decode step's go to MLX's own product, as before routing
     x = mx.random.normal((3, 4, 64), key=mx.random.key(0))
     routed = layers["4-bit g32, bias"]
     expected = nn.QuantizedLinear.__call__(routed, x)
     assert mx.array_equal(routed(x), expected).item()
-    assert mlx_quantized.route(model, False) == 3
+    assert mlx_quantized.route(model, False) == 4
     assert {type(layer).__name__ for layer in layers.values()} == {"QuantizedLinear", "QuantizedEmbedding",
                                                                     "Linear"}
 
