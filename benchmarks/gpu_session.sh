@@ -540,8 +540,7 @@ kernels)  # carry [".device/b"], after build and stage: the decode attention bui
   ;;
 qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"): issue 11's --quantize 4,
   # mesh-llm's 4-bit decode kernel (engines/mlx_quantized.py): its GPU tests and the other MLX GPU
-  # tests, its products against MLX's and whole decode steps (benchmarks/gpu_qmv.py), then the 7B
-  # engine's raw batched decode at 16 bits and at 4 bits with the kernel off and on
+  # tests, its products against MLX's and whole decode steps (benchmarks/gpu_qmv.py)
   mlx_env
   export MLX_PTX_CACHE_DIR=/tmp/ptx-q
   wait_model qwen2.5-0.5b
@@ -550,6 +549,10 @@ qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"):
   wait_model qwen2.5-7b
   timeout 240 python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" 2>&1 | grep -v Warning \
     | tee "$OUT/qmv.txt" | tail -60 || true
+  ;;
+qmv-engine)  # after qmv: the 7B engine's raw batched decode at 16 bits, then at 4 bits with the kernel off and on
+  mlx_env
+  export MLX_PTX_CACHE_DIR=/tmp/ptx-q
   for q in "" "4 0" "4 1"; do
     set -- $q
     MESH_LLM_QUANTIZED_DECODE=${2:-1} timeout 150 python3 benchmarks/engines.py --engine mlx \
