@@ -8,9 +8,10 @@
 rows: microseconds a call and the quantized bytes read per second, each call on another copy of the
 matrix so that none is served from L2; the largest error of each against a float32 product of the
 dequantized weights. (2) A random-weight model of each shape (float16) reads a 512-token prompt,
-then decodes ``--tokens`` greedy steps of 1 and of 8 rows, the next step queued before the last is
-read (as the engine runs on a GPU): at 16 bits, then quantized to 4 bits with MLX's products and with
-the kernel, alternated ``--rounds`` times. JSON to $OUT/qmv.json when OUT is set.
+then decodes ``--tokens`` greedy steps of each of ``--levels`` rows, the next step queued before the
+last is read (as the engine runs on a GPU): at 16 bits (projections fused, as the engine serves
+them), at 4 bits as mlx-lm's layers are, then fused and routed (``engines/mlx_quantized.py``) with
+each way of making 2-7 rows' products (``VARIANTS``), alternated ``--rounds`` times. JSON to $OUT/qmv.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mlx_lm.models import qwen2  # noqa: E402
 
 from gpu_gemv import SHAPES, decode, matrices, time_calls  # noqa: E402 - benchmarks/, the script's own folder
 from mesh_llm.engines import mlx_quantized  # noqa: E402
+from mesh_llm.engines.mlx_projections import fuse_projections  # noqa: E402
 
 GROUP = 64
 
@@ -53,7 +55,7 @@ def products(shapes: list[str]) -> list[dict]:
                     return mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=4)
 
                 def kernel(x, q):
-                    return mlx_quantized.qmv(x, *q, GROUP)
+                    return mlx_quantized.qmv(x, *q, GROUP, 4)
 
                 errors = {label_: mx.max(mx.abs(fn(x, ws[0]).astype(mx.float32) - reference)).item()
                           for label_, fn in (("mlx", mlx), ("kernel", kernel))}
@@ -81,7 +83,11 @@ def products(shapes: list[str]) -> list[dict]:
     return rows_out
 
 
-def models(shapes: list[str], tokens: int, rounds: int) -> list[dict]:
+VARIANTS = {  # the engine's routed 4-bit products: how 2-7 rows are made, and one wide row's kernel
+    "mlx": ("mlx", True), "pad": ("pad", True), "kernel": ("kernel", True), "kernel-narrow": ("kernel", False)}
+
+
+def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> list[dict]:
     out = []
 
     def record(name, rows, r, label, model):
@@ -90,24 +96,37 @@ def models(shapes: list[str], tokens: int, rounds: int) -> list[dict]:
         row = {"shape": name, "rows": rows, "round": r, "products": label, "step_ms": step * 1e3,
                "tok_s": rows / step, "weights_gb": weights / 1e9, "weight_gbs": weights / step / 1e9}
         out.append(row)
-        print(f"{name:13} rows {rows} round {r} {label:12}: {row['step_ms']:.2f} ms a step, "
-              f"{row['tok_s']:.0f} tok/s, {row['weight_gbs']:.0f} GB/s of {row['weights_gb']:.2f} GB", flush=True)
+        print(f"{name:13} rows {rows:2} round {r} {label:22}: {row['step_ms']:6.2f} ms a step, "
+              f"{row['tok_s']:6.0f} tok/s, {row['weight_gbs']:5.0f} GB/s of {row['weights_gb']:.2f} GB", flush=True)
 
-    for name in shapes:
+    def build(name):
         model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6,
                                             **SHAPES[name]))
         model.set_dtype(mx.float16)
+        return model
+
+    for name in shapes:
+        model = build(name)
+        fuse_projections(model)  # as the engine serves 16-bit weights on a GPU
         mx.eval(model.parameters())
-        for rows in (1, 8):
-            record(name, rows, 0, "16-bit", model)
+        for rows in levels:
+            record(name, rows, 0, "16-bit, fused", model)
+        del model
+        mx.clear_cache()
+        model = build(name)
         nn.quantize(model, GROUP, 4)
         mx.eval(model.parameters())
-        mx.clear_cache()
-        for rows in (1, 8):
+        for rows in levels:
+            record(name, rows, 0, "4-bit MLX", model)
+        fuse_projections(model)
+        mlx_quantized.route(model, True)
+        mx.eval(model.parameters())
+        for rows in levels:
             for r in range(rounds):
-                for on in (False, True):
-                    mlx_quantized.route(model, on)
-                    record(name, rows, r, "4-bit kernel" if on else "4-bit MLX", model)
+                for label, (small, wide) in VARIANTS.items():
+                    mlx_quantized.SMALL_BATCH = small
+                    mlx_quantized._WIDE = 16384 if wide else 1 << 30
+                    record(name, rows, r, f"4-bit fused, {label}", model)
         del model
         mx.clear_cache()
     return out
@@ -118,11 +137,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-7b")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--levels", default="1,2,4,8,16", help="decode rows")
     parser.add_argument("--skip-products", action="store_true")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     result = {"products": [] if args.skip_products else products(shapes),
-              "decode": models(shapes, args.tokens, args.rounds)}
+              "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")])}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "qmv.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -545,9 +545,9 @@ qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"):
   export MLX_PTX_CACHE_DIR=/tmp/ptx-q
   wait_model qwen2.5-0.5b
   MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 300 python3 -m pytest -q -p no:cacheprovider \
-    tests/engines/test_mlx_gpu.py 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -12 || true
+    tests/engines/test_mlx_gpu.py ${QMV_TESTS:+-k "$QMV_TESTS"} 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -12 || true
   wait_model qwen2.5-7b
-  timeout 240 python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" 2>&1 | grep -v Warning \
+  timeout 400 python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" $QMV_ARGS 2>&1 | grep -v Warning \
     | tee "$OUT/qmv.txt" | tail -60 || true
   ;;
 qmv-engine)  # after qmv: the 7B engine's raw batched decode at 16 bits, then at 4 bits with the kernel off and on
@@ -574,7 +574,7 @@ conc-q4)  # carry [".device/x"] (the server's llguidance), after qmv: the 7B sha
   for t in ${ORDER:-16 q4 q4-off 16 q4 q4-off}; do
     n=$((n + 1)); shape=qwen2.5-7b; kernel=1
     case $t in q4) shape=qwen2.5-7b-q4 ;; q4-off) shape=qwen2.5-7b-q4; kernel=0 ;; esac
-    MESH_LLM_QUANTIZED_DECODE=$kernel TAG=-$t$n RUNS=${RUNS:-2} run_conc "$shape" "${LEVELS:-1,8}" mesh-mlx 120
+    MESH_LLM_QUANTIZED_DECODE=$kernel TAG=-$t$n RUNS=${RUNS:-2} run_conc "$shape" "${LEVELS:-1,8}" mesh-mlx 150
   done
   for f in "$conc"/*-conc-q4-*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-q4-logs.tar.gz

@@ -1,7 +1,7 @@
 """engines/mlx_projections.py: q/k/v and gate/up computed as one product each, against the separate
 products, on the embedded SmolLM2 (llama) and tiny random qwen2, llama and qwen3 layers: the
-same logits up to float32 rounding, the same greedy tokens, memory unchanged; quantized layers,
-other architectures and the switch left alone. The engine fuses on a GPU (where the H200 gave float16
+same logits up to float32 rounding, the same greedy tokens, memory unchanged; quantized layers fused
+too (bit for bit); layers of mixed quantization, other architectures and the switch left alone. The engine fuses on a GPU (where the H200 gave float16
 logits bit for bit equal); here the tests fuse by hand."""
 
 from __future__ import annotations
@@ -89,16 +89,44 @@ def test_layers_with_biases_fused_decode_as_before(kind, config):
         assert tokens.tolist() == mx.argmax(b, axis=-1)[:, None].tolist()
 
 
-def test_quantized_layers_other_architectures_and_the_switch_are_left_alone(monkeypatch):
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_quantized_layers_fused_decode_as_before(kind):
+    """Quantized q/k/v and gate/up stack as their float weights do (each output row is quantized on its
+    own): the same memory and the same logits, bit for bit on this CPU; layers of mixed bits are
+    left as they are."""
+    import mlx.core as mx
     from mlx import nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
 
+    from mesh_llm.engines.mlx_projections import fuse_projections
+
+    config = {"model_type": kind, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97}
+    separate, fused = random_model(kind, config), random_model(kind, config)
+    for model in (separate, fused):
+        nn.quantize(model, 32, 4)
+    fused.load_weights(tree_flatten(separate.parameters()))
+    assert fuse_projections(fused) == 2
+    assert type(fused.model.layers[0].mlp.gate_up_proj) is nn.QuantizedLinear
+    assert param_bytes(fused) == param_bytes(separate)
+    caches = [make_prompt_cache(m) for m in (separate, fused)]
+    tokens = mx.array([[5, 17, 3, 88, 41, 9, 60]])
+    for _ in range(4):
+        a, b = (m(tokens, cache=c)[:, -1, :] for m, c in zip((separate, fused), caches))
+        assert mx.array_equal(a, b).item()
+        tokens = mx.argmax(a, axis=-1)[:, None]
+    mixed = random_model(kind, config)
+    nn.quantize(mixed, 32, 4, class_predicate=lambda p, m: isinstance(m, nn.Linear) and not p.endswith("v_proj"))
+    nn.quantize(mixed, 32, 8, class_predicate=lambda p, m: type(m) is nn.Linear and p.endswith("v_proj"))
+    assert fuse_projections(mixed) == 0
+
+
+def test_other_architectures_and_the_switch_are_left_alone(monkeypatch):
     from mesh_llm.engines.mlx_projections import fuse_projections
 
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97}
-    quantized = random_model("llama", llama)
-    nn.quantize(quantized, 32, 4)
-    assert fuse_projections(quantized) == 0
     gemma3 = random_model("gemma3", {
         "model_type": "gemma3_text", "vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 2,
         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -1,6 +1,6 @@
-"""engines/mlx_quantized.py where a CPU can check it: which layers the quantized decode kernel takes and
-that routing them is undone exactly; that the engine routes nothing off CUDA; and a pre-quantized
-folder (``mesh_llm.bench.synth --quantize 4``, what the H200's 4-bit runs serve) loads and predicts
+"""engines/mlx_quantized.py where a CPU can check it: which layers are routed and which the kernel
+takes, that routing is undone exactly, that flattened and padded products match the layers' own,
+that the engine routes nothing off CUDA; and that a pre-quantized folder (``mesh_llm.bench.synth --quantize 4``, what the H200's 4-bit runs serve) loads and predicts
 as its float source does. The kernel itself runs on CUDA only: test_mlx_gpu.py checks it there."""
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ if not is_installed("mlx"):  # checked without importing mlx.core, which must co
 MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
 
 
-def test_the_kernel_takes_4_and_8bit_affine_layers_and_routing_is_undone():
+def test_quantized_layers_are_routed_and_undone_and_their_products_flattened(monkeypatch):
+    """Every quantized layer is routed (the kernel takes 4- and 8-bit affine ones) and routing is
+    undone exactly; products of a decode batch (B, 1, k), of 12 rows and of 3 padded to 8 (MLX's
+    kernels, which a CPU has) match the layer's own."""
     import mlx.core as mx
     from mlx import nn
 
@@ -36,16 +39,26 @@ def test_the_kernel_takes_4_and_8bit_affine_layers_and_routing_is_undone():
                and mlx_quantized.fits(layer)}
     assert fitting == {"4-bit g64", "4-bit g32, bias", "4-bit embedding", "8-bit"}
     assert mlx_quantized.install(model) == 0  # not on CUDA
-    assert mlx_quantized.route(model, True) == 4
+    expected = {}
+    inputs = {rows: mx.random.normal((rows, 1, 64), key=mx.random.key(rows)) for rows in (1, 3, 8, 12)}
+    for name in ("4-bit g32, bias", "mxfp4"):
+        layer = layers[name]
+        x = inputs if name != "mxfp4" else {r: mx.random.normal((r, 1, 128), key=mx.random.key(r)) for r in inputs}
+        expected[name] = {rows: layer(v) for rows, v in x.items()}
+    assert mlx_quantized.route(model, True) == 5
     assert type(layers["4-bit g64"]) is mlx_quantized.DecodeQuantizedLinear
+    assert type(layers["mxfp4"]) is mlx_quantized.DecodeQuantizedLinear
     assert type(layers["4-bit embedding"]) is mlx_quantized.DecodeQuantizedEmbedding
-    assert type(layers["mxfp4"]) is nn.QuantizedLinear
-    # more rows than a decode step's go to MLX's own product, as before routing
-    x = mx.random.normal((3, 4, 64), key=mx.random.key(0))
-    routed = layers["4-bit g32, bias"]
-    expected = nn.QuantizedLinear.__call__(routed, x)
-    assert mx.array_equal(routed(x), expected).item()
-    assert mlx_quantized.route(model, False) == 4
+    assert type(layers["float"]) is nn.Linear
+    monkeypatch.setattr(mlx_quantized, "SMALL_BATCH", "pad")  # "kernel" is CUDA's
+    for name in ("4-bit g32, bias", "mxfp4"):
+        layer = layers[name]
+        k = 64 if name != "mxfp4" else 128
+        for rows, want in expected[name].items():
+            got = layer(mx.random.normal((rows, 1, k), key=mx.random.key(rows)))
+            assert got.shape == want.shape
+            assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (name, rows)
+    assert mlx_quantized.route(model, False) == 5
     assert {type(layer).__name__ for layer in layers.values()} == {"QuantizedLinear", "QuantizedEmbedding",
                                                                     "Linear"}
 

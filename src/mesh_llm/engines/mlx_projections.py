@@ -18,8 +18,9 @@ The weights are concatenated once at load, before they are read, and the separat
 memory does not grow. The engine does it on a GPU only: a CPU's step is bound by arithmetic, and
 there the fused product rounds differently (float32 logits within 3.5e-6 of their size, measured on
 the embedded SmolLM2), so the CPU keeps its results as they were. Only mlx-lm's own llama, qwen2
-and qwen3 ``Attention`` and ``MLP`` with float weights are re-stated here (``_MODULES``); every
-other layer is left as it is. ``MESH_LLM_FUSED_PROJECTIONS=0`` keeps them separate.
+and qwen3 ``Attention`` and ``MLP`` are re-stated here (``_MODULES``), with float weights or
+quantized ones of one kind (each output row is quantized on its own, so they stack the same way);
+every other layer is left as it is. ``MESH_LLM_FUSED_PROJECTIONS=0`` keeps them separate.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def fuse_projections(model: nn.Module) -> int:
                 or type(mlp) is not getattr(module, "MLP", None)):
             continue
         parts = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
-        if any(type(p) is not nn.Linear for p in parts):  # quantized: left as it is
+        if not all(all(type(p) is nn.Linear for p in group) or _same_quantization(group)
+                   for group in (parts[:3], parts[3:])):
             continue
         attn.qkv_proj, attn.head_size = _concatenated(parts[:3]), attn.q_proj.weight.shape[0] // attn.n_heads
         mlp.gate_up_proj = _concatenated(parts[3:])
@@ -63,11 +65,30 @@ def fuse_projections(model: nn.Module) -> int:
     return fused
 
 
-def _concatenated(parts: list[nn.Linear]) -> nn.Linear:
-    out = nn.Linear(1, 1, bias="bias" in parts[0])
+def _same_quantization(parts: list) -> bool:
+    """Quantized layers that concatenate into one: each output row is quantized on its own, so rows
+    of the same bits, group size and mode stack as the float weights do."""
+    first = parts[0]
+    return all(type(p) is nn.QuantizedLinear and (p.bits, p.group_size, p.mode) == (first.bits, first.group_size,
+               first.mode) and (p.get("biases") is None) == (first.get("biases") is None)
+               and ("bias" in p) == ("bias" in first) for p in parts)
+
+
+def _concatenated(parts: list[nn.Linear | nn.QuantizedLinear]) -> nn.Linear | nn.QuantizedLinear:
+    first = parts[0]
+    if type(first) is nn.Linear:
+        out = nn.Linear(1, 1, bias="bias" in first)
+    else:  # built empty: its constructor would quantize a random weight of the whole size
+        out = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        nn.Module.__init__(out)
+        out.group_size, out.bits, out.mode = first.group_size, first.bits, first.mode
+        out.scales = mx.concatenate([p.scales for p in parts])
+        out.biases = None if first.get("biases") is None else mx.concatenate([p.biases for p in parts])
     out.weight = mx.concatenate([p.weight for p in parts])
-    if "bias" in parts[0]:
+    if "bias" in first:
         out.bias = mx.concatenate([p.bias for p in parts])
+    if type(first) is not nn.Linear:
+        out.freeze()
     return out
 
 

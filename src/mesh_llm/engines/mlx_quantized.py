@@ -1,20 +1,26 @@
-"""Decode products of 4- and 8-bit weights on CUDA, in one kernel that reads each weight once.
+"""Products of quantized weights on CUDA as a decode step makes them: MLX's kernels where they read
+the weights once, mesh-llm's own where MLX's read them once per row.
 
-MLX 0.32's CUDA backend multiplies a few rows by quantized weights with its vector kernel (``qmv``)
-only for one row and at most 16,384 outputs and inputs; every other case (an MLP's 18,944-wide
-products on Qwen2.5-7B, its output layer, any batch of 2-8 rows) goes to the tiled tensor-core kernel
-made for prompts. On the H200 a 4-bit 7B decoded one row at 176 tok/s against 195 at 16 bits, and 8
-rows at 298 against 916 (``benchmarks/GPU.md``), where a quarter of the weights' bytes should make it
-faster.
+MLX 0.32's CUDA backend (measured on an H100, ``benchmarks/gpu_qmv.py``,
+``benchmarks/results/h100-20261205/``) multiplies quantized weights
+- by one row with its vector kernel up to 16,384 outputs (a 4-bit 7B's q/o product 13.5 us), and
+  past that (an MLP's 18,944, the output layer's 152,064) with its tiled tensor-core kernel, which
+  is slower there (the 7B output layer 329 us at 933 GB/s);
+- by 2-7 rows with the vector kernel once per row, so each row reads all the weights again (the 7B
+  MLP's 18,944 x 3,584: 50 / 87 / 172 us for 1 / 2 / 4 rows), and from 8 rows with the tiled
+  kernel, which reads them once (43 us for 8 rows);
+- by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row: a
+  4-bit 7B decoded 8 rows in 26 ms a step, against 8.2 ms at 16 bits.
 
-:func:`qmv` is that product for 1-8 rows of any width: each warp takes a few output rows, its lanes
-walk the inputs 16 weights at a time (within one group's scale and bias), the values turned into
-floats by bit arithmetic and summed in float32 as ``scale * dot(x, q) + bias * sum(x)``. It is written
-against no header and compiled once per shape and GPU architecture by NVRTC, its binary kept on disk
-(:mod:`mesh_llm.engines.nvrtc`), as the decode attention is. :func:`install` routes a model's 4- and
-8-bit ``QuantizedLinear`` and ``QuantizedEmbedding`` layers (affine, groups of 32, 64 or 128) to it
-for inputs of at most :data:`MAX_ROWS` rows on CUDA; prompts keep MLX's kernel.
-``MESH_LLM_QUANTIZED_DECODE=0`` leaves every layer as it is.
+:func:`product` flattens the rows first, and sends 2-7 rows (``SMALL_BATCH``) and one row over more
+than 16,384 outputs to :func:`qmv`: one pass over the weights for 1-8 rows, each warp a few output
+rows, its lanes walking the inputs 16 values at a time (within one group's scale and bias), the
+values turned into floats by bit arithmetic and summed in float32 as ``scale * dot(x, q) + bias *
+sum(x)``. It is written against no header, compiled once per shape and GPU architecture by NVRTC and
+kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode attention is. Each call of it costs the
+host ~8 us more than one of MLX's own, which is why one row under 16,384 outputs stays MLX's.
+:func:`install` routes a model's ``QuantizedLinear`` and ``QuantizedEmbedding`` layers through
+:func:`product` on CUDA; ``MESH_LLM_QUANTIZED_DECODE=0`` leaves them as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from mlx import nn
 from mesh_llm.engines import nvrtc
 from mesh_llm.engines.mlx_attention import on_cuda
 
-MAX_ROWS = 8  # a decode step's rows; more go to MLX's tiled kernel, made for them
 _GROUP_SIZES = (32, 64, 128)
 _LANE = 16  # weights a lane reads at a time: 8 bytes, within one group of any size above
 
@@ -148,7 +153,7 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
 """
 
 _WARPS = 4  # a block's warps
-UNROLL = 2  # iterations of the inputs' loop unrolled: the next weights' loads issued early
+UNROLL = 1  # iterations of the inputs' loop unrolled (2 and 4 were no faster on the H100)
 _binaries: dict[tuple, tuple[str, bytes]] = {}  # per shape: the kernel's name and cubin
 
 
@@ -196,46 +201,65 @@ def fits(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
             and layer.scales.dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
-def _decodes(x: mx.array, layer) -> bool:
-    return x.size <= MAX_ROWS * x.shape[-1] and x.dtype == layer.scales.dtype
+# How a product of 2-7 rows is made (MESH_LLM_QUANTIZED_SMALL_BATCH): "kernel" (:func:`qmv`), "pad"
+# (MLX's tiled kernel over the rows padded to 8) or "mlx" (MLX's vector kernel, once per row).
+SMALL_BATCH = os.environ.get("MESH_LLM_QUANTIZED_SMALL_BATCH", "kernel")
+_TILED_ROWS = 8  # from this many rows MLX's tiled kernel reads the weights once, at up to 880 GB/s (H100)
+_WIDE = 16384  # one row over more outputs than this goes to MLX's tiled kernel, not its vector one
+
+
+def product(layer, x: mx.array) -> mx.array:
+    """``x @ dequantize(layer).T`` with the inputs' rows flattened into one matrix: MLX 0.32 takes a
+    decode batch of shape (B, 1, k) as B products of one row, each reading all the weights."""
+    k, n = x.shape[-1], layer.weight.shape[0]
+    rows = x.size // k
+    flat = x.reshape(rows, k)
+    q = (layer["weight"], layer["scales"], layer.get("biases"))
+    if x.dtype == layer.scales.dtype and fits(layer) and (
+            (1 < rows < _TILED_ROWS and SMALL_BATCH == "kernel") or (rows == 1 and n > _WIDE)):
+        out = qmv(flat, *q, layer.group_size, layer.bits)
+    elif 1 < rows < _TILED_ROWS and SMALL_BATCH == "pad":
+        padded = mx.pad(flat, [(0, _TILED_ROWS - rows), (0, 0)])
+        out = mx.quantized_matmul(padded, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
+                                  mode=layer.mode)[:rows]
+    else:
+        out = mx.quantized_matmul(flat, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
+                                  mode=layer.mode)
+    return out.reshape(*x.shape[:-1], n)
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
-    """A quantized layer whose decode products (at most :data:`MAX_ROWS` rows) run :func:`qmv`."""
+    """A quantized layer whose products go through :func:`product`."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _decodes(x, self):
-            return super().__call__(x)
-        out = qmv(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        out = product(self, x)
         return out + self["bias"] if "bias" in self else out
 
 
 class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
-    """A quantized embedding whose product as the output layer (tied weights) runs :func:`qmv` in decode."""
+    """A quantized embedding whose product as the output layer (tied weights) goes through :func:`product`."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not _decodes(x, self):
-            return super().as_linear(x)
-        return qmv(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        return product(self, x)
 
 
 _ROUTES = {nn.QuantizedLinear: DecodeQuantizedLinear, nn.QuantizedEmbedding: DecodeQuantizedEmbedding}
 
 
 def install(model: nn.Module) -> int:
-    """Route the decode products of ``model``'s 4- and 8-bit layers to :func:`qmv` on CUDA (with an NVRTC to
-    build it), unless ``MESH_LLM_QUANTIZED_DECODE=0``; returns how many layers were routed."""
+    """Route the products of ``model``'s quantized layers through :func:`product` on CUDA (with an
+    NVRTC to build :func:`qmv`), unless ``MESH_LLM_QUANTIZED_DECODE=0``; returns how many layers."""
     if os.environ.get("MESH_LLM_QUANTIZED_DECODE", "1") == "0" or not on_cuda() or not nvrtc.available():
         return 0
     return route(model, True)
 
 
 def route(model: nn.Module, on: bool) -> int:
-    """Set each fitting quantized layer's class to its decode class (``on``) or back; returns how many."""
+    """Set each quantized layer's class to its routed class (``on``) or back; returns how many."""
     routed = 0
     for _, module in model.named_modules():
         for plain, decode in _ROUTES.items():
-            if type(module) is (plain if on else decode) and fits(module):
+            if type(module) is (plain if on else decode):
                 module.__class__ = decode if on else plain
                 routed += 1
     return routed
