@@ -83,8 +83,11 @@ def products(shapes: list[str]) -> list[dict]:
     return rows_out
 
 
-VARIANTS = {  # the engine's routed 4-bit products: how 2-7 rows are made, and one wide row's kernel
-    "mlx": ("mlx", True), "pad": ("pad", True), "kernel": ("kernel", True), "kernel-narrow": ("kernel", False)}
+# The engine's routed 4-bit products (rows flattened), 2-7 rows through the kernel from how many bytes
+# of weights: never, the engine's default, always. (The first H100 runs, in
+# benchmarks/results/h100-20261205/qmv-steps/, also had 2-7 rows padded to 8 for MLX's tiled kernel,
+# the slowest, and one row over 16,384 outputs through the kernel, slower than MLX's.)
+VARIANTS = {"mlx": 1 << 62, "default": mlx_quantized.KERNEL_BYTES, "kernel": 0}
 
 
 def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> list[dict]:
@@ -123,9 +126,8 @@ def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> li
         mx.eval(model.parameters())
         for rows in levels:
             for r in range(rounds):
-                for label, (small, wide) in VARIANTS.items():
-                    mlx_quantized.SMALL_BATCH = small
-                    mlx_quantized._WIDE = 16384 if wide else 1 << 30
+                for label, threshold in VARIANTS.items():
+                    mlx_quantized.KERNEL_BYTES = threshold
                     record(name, rows, r, f"4-bit fused, {label}", model)
         del model
         mx.clear_cache()

@@ -51,6 +51,8 @@
 #                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
 #                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
+#                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_ARGS)
+#      then carry [".device/x"]  bash benchmarks/gpu_session.sh conc-q4  # 7B at 16 and 4 bits through HTTP
 #      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
 #      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
@@ -549,16 +551,6 @@ qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"):
   wait_model qwen2.5-7b
   timeout 400 python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" $QMV_ARGS 2>&1 | grep -v Warning \
     | tee "$OUT/qmv.txt" | tail -60 || true
-  ;;
-qmv-engine)  # after qmv: the 7B engine's raw batched decode at 16 bits, then at 4 bits with the kernel off and on
-  mlx_env
-  export MLX_PTX_CACHE_DIR=/tmp/ptx-q
-  for q in "" "4 0" "4 1"; do
-    set -- $q
-    MESH_LLM_QUANTIZED_DECODE=${2:-1} timeout 150 python3 benchmarks/engines.py --engine mlx \
-      --mlx "$models/qwen2.5-7b-mlx" --batch 1,8 --prompt-tokens 640 --decode-tokens 128 --runs 1 \
-      ${1:+--quantize $1} --out "$OUT/engines-7b${1:+-q$1-kernel$2}.json" 2>&1 | tail -4 || true
-  done
   ;;
 conc-q4)  # carry [".device/x"] (the server's llguidance), after qmv: the 7B shape through HTTP at 16 bits
   # and pre-quantized to 4 bits (mesh_llm.bench.synth --quantize 4), 1 and 8 streams, the 4-bit decode

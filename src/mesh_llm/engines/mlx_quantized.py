@@ -3,24 +3,23 @@ the weights once, mesh-llm's own where MLX's read them once per row.
 
 MLX 0.32's CUDA backend (measured on an H100, ``benchmarks/gpu_qmv.py``,
 ``benchmarks/results/h100-20261205/``) multiplies quantized weights
-- by one row with its vector kernel up to 16,384 outputs (a 4-bit 7B's q/o product 13.5 us), and
-  past that (an MLP's 18,944, the output layer's 152,064) with its tiled tensor-core kernel, which
-  is slower there (the 7B output layer 329 us at 933 GB/s);
-- by 2-7 rows with the vector kernel once per row, so each row reads all the weights again (the 7B
-  MLP's 18,944 x 3,584: 50 / 87 / 172 us for 1 / 2 / 4 rows), and from 8 rows with the tiled
-  kernel, which reads them once (43 us for 8 rows);
-- by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row: a
-  4-bit 7B decoded 8 rows in 26 ms a step, against 8.2 ms at 16 bits.
+- by one row with its vector kernel up to 16,384 outputs, and past that (an MLP's 18,944, an output
+  layer's 152,064) with its tiled tensor-core kernel;
+- by 2-7 rows with the vector kernel once per row, so each row reads all the weights again (the
+  4-bit 7B's 18,944 x 3,584 product: 50 / 87 / 172 us for 1 / 2 / 4 rows), and from 8 rows with the
+  tiled kernel, which reads them once;
+- by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row: a 4-bit
+  7B decoded 8 rows in 26 ms a step, against 8.2 ms at 16 bits.
 
-:func:`product` flattens the rows first, and sends 2-7 rows (``SMALL_BATCH``) and one row over more
-than 16,384 outputs to :func:`qmv`: one pass over the weights for 1-8 rows, each warp a few output
-rows, its lanes walking the inputs 16 values at a time (within one group's scale and bias), the
-values turned into floats by bit arithmetic and summed in float32 as ``scale * dot(x, q) + bias *
-sum(x)``. It is written against no header, compiled once per shape and GPU architecture by NVRTC and
-kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode attention is. Each call of it costs the
-host ~8 us more than one of MLX's own, which is why one row under 16,384 outputs stays MLX's.
-:func:`install` routes a model's ``QuantizedLinear`` and ``QuantizedEmbedding`` layers through
-:func:`product` on CUDA; ``MESH_LLM_QUANTIZED_DECODE=0`` leaves them as they are.
+:func:`product` flattens the rows first, and sends 2-7 rows of large weights (``KERNEL_BYTES``) to
+:func:`qmv`: one pass over the weights for 1-8 rows, each warp a few output rows, its lanes walking
+the inputs 16 values at a time (within one group's scale and bias), the values turned into floats by
+bit arithmetic and summed in float32 as ``scale * dot(x, q) + bias * sum(x)``. It is written against
+no header, compiled once per shape and GPU architecture by NVRTC and kept on disk
+(:mod:`mesh_llm.engines.nvrtc`), as the decode attention is. A call of it costs the host ~8 us more
+than one of MLX's own, which is why one row, and small weights, stay MLX's. :func:`install` routes
+a model's ``QuantizedLinear`` and ``QuantizedEmbedding`` layers through :func:`product` on CUDA;
+``MESH_LLM_QUANTIZED_DECODE=0`` leaves them as they are.
 """
 
 from __future__ import annotations
@@ -201,11 +200,14 @@ def fits(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
             and layer.scales.dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
-# How a product of 2-7 rows is made (MESH_LLM_QUANTIZED_SMALL_BATCH): "kernel" (:func:`qmv`), "pad"
-# (MLX's tiled kernel over the rows padded to 8) or "mlx" (MLX's vector kernel, once per row).
-SMALL_BATCH = os.environ.get("MESH_LLM_QUANTIZED_SMALL_BATCH", "kernel")
-_TILED_ROWS = 8  # from this many rows MLX's tiled kernel reads the weights once, at up to 880 GB/s (H100)
-_WIDE = 16384  # one row over more outputs than this goes to MLX's tiled kernel, not its vector one
+_TILED_ROWS = 8  # from this many rows MLX's tiled kernel reads the weights once
+# 2-7 rows go to :func:`qmv` where MLX's re-reading of the weights for each row costs more than the
+# kernel's extra host time: where (rows - 1) x the weights' bytes reach this. On the H100's 4-bit 7B
+# (every 2-7-row product through the kernel) steps of 2 and 4 rows took 6.0-6.5 and 7.6-9.0 ms against
+# 9.4-9.6 and 17.5-17.9 with MLX's alone; on the 0.5B shape, whose step is bound by the host, the
+# kernel's calls made them slower (6.4-8.5 against 4.5-7.1 ms). 16 MB sends the 0.5B's output layer
+# and the 7B's products to the kernel (benchmarks/results/h100-20261205/qmv-steps/).
+KERNEL_BYTES = 16 * 2**20
 
 
 def product(layer, x: mx.array) -> mx.array:
@@ -215,13 +217,9 @@ def product(layer, x: mx.array) -> mx.array:
     rows = x.size // k
     flat = x.reshape(rows, k)
     q = (layer["weight"], layer["scales"], layer.get("biases"))
-    if x.dtype == layer.scales.dtype and fits(layer) and (
-            (1 < rows < _TILED_ROWS and SMALL_BATCH == "kernel") or (rows == 1 and n > _WIDE)):
+    if (1 < rows < _TILED_ROWS and (rows - 1) * q[0].nbytes >= KERNEL_BYTES and x.dtype == layer.scales.dtype
+            and fits(layer)):
         out = qmv(flat, *q, layer.group_size, layer.bits)
-    elif 1 < rows < _TILED_ROWS and SMALL_BATCH == "pad":
-        padded = mx.pad(flat, [(0, _TILED_ROWS - rows), (0, 0)])
-        out = mx.quantized_matmul(padded, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
-                                  mode=layer.mode)[:rows]
     else:
         out = mx.quantized_matmul(flat, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
                                   mode=layer.mode)
