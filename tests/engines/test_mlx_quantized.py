@@ -57,6 +57,9 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
             got = layer(mx.random.normal((rows, 1, k), key=mx.random.key(rows)))
             assert got.shape == want.shape
             assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (name, rows)
+    embedding = layers["4-bit embedding"]  # a tied output layer's product
+    x = mx.random.normal((3, 1, 128), key=mx.random.key(7))
+    assert mx.allclose(embedding.as_linear(x), nn.QuantizedEmbedding.as_linear(embedding, x), atol=1e-5).item()
     assert mlx_quantized.route(model, False) == 5
     assert {type(layer).__name__ for layer in layers.values()} == {"QuantizedLinear", "QuantizedEmbedding",
                                                                     "Linear"}

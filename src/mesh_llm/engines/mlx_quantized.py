@@ -33,7 +33,7 @@ from mesh_llm.engines import nvrtc
 from mesh_llm.engines.mlx_attention import on_cuda
 
 _GROUP_SIZES = (32, 64, 128)
-_LANE = 16  # weights a lane reads at a time: 8 bytes, within one group of any size above
+_LANE = 16  # values a lane reads at a time (8 bytes at 4 bits, 16 at 8), within one group
 
 # 16-bit rows are read 8 values (16 bytes) at a time and turned into floats by hand, so that NVRTC
 # needs no header.
