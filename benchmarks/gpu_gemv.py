@@ -307,19 +307,30 @@ def models(shapes: list[str], tokens: int, rounds: int) -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, *extra: tuple[str, dict]) -> argparse.Namespace:
+    """The command line this script and gpu_qmv.py share, plus ``extra`` options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-7b")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-products", action="store_true")
-    args = parser.parse_args()
-    shapes = args.shapes.split(",")
-    result = {"products": [] if args.skip_products else products(shapes),
-              "decode": models(shapes, args.tokens, args.rounds)}
+    for flag, options in extra:
+        parser.add_argument(flag, **options)
+    return parser.parse_args()
+
+
+def write(result: dict, name: str) -> None:
+    """Into $OUT, where it is set (the device's folder that comes back)."""
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gemv.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    shapes = args.shapes.split(",")
+    write({"products": [] if args.skip_products else products(shapes),
+           "decode": models(shapes, args.tokens, args.rounds)}, "gemv.json")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,6 @@ each way of making 2-7 rows' products (``VARIANTS``), alternated ``--rounds`` ti
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 from mesh_llm.engines.mlx_blas import prepare_mlx
 
 prepare_mlx()
@@ -29,7 +25,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
-from gpu_gemv import SHAPES, decode, matrices, time_calls  # noqa: E402 - benchmarks/, the script's own folder
+from gpu_gemv import SHAPES, arguments, decode, matrices, time_calls, write  # noqa: E402 - benchmarks/, the script's own folder
 from mesh_llm.engines import mlx_quantized  # noqa: E402
 from mesh_llm.engines.mlx_projections import fuse_projections  # noqa: E402
 
@@ -135,19 +131,10 @@ def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-7b")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--levels", default="1,2,4,8,16", help="decode rows")
-    parser.add_argument("--skip-products", action="store_true")
-    args = parser.parse_args()
+    args = arguments(__doc__, ("--levels", {"default": "1,2,4,8,16", "help": "decode rows"}))
     shapes = args.shapes.split(",")
-    result = {"products": [] if args.skip_products else products(shapes),
-              "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")])}
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "qmv.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write({"products": [] if args.skip_products else products(shapes),
+           "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")])}, "qmv.json")
 
 
 if __name__ == "__main__":
