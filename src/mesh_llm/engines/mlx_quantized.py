@@ -1,13 +1,14 @@
 """Products of quantized weights on CUDA as a decode step makes them: MLX's kernels where they read
 the weights once, mesh-llm's own where MLX's read them once per row.
 
-MLX 0.32's CUDA backend (measured on an H100, ``benchmarks/gpu_qmv.py``,
-``benchmarks/results/h100-20261205/``) multiplies quantized weights
-- by one row with its vector kernel up to 16,384 outputs, and past that (an MLP's 18,944, an output
-  layer's 152,064) with its tiled tensor-core kernel;
-- by 2-7 rows with the vector kernel once per row, so each row reads all the weights again (the
-  4-bit 7B's 18,944 x 3,584 product: 50 / 87 / 172 us for 1 / 2 / 4 rows), and from 8 rows with the
-  tiled kernel, which reads them once;
+MLX 0.32's CUDA backend, with groups narrower than a row (every mlx-lm quantization; its Hopper
+tiled kernel needs a group as wide as the input), multiplies quantized weights (read in its source,
+``mlx/backend/cuda/quantized/``, and measured on an H100: ``benchmarks/gpu_qmv.py``,
+``benchmarks/results/h100-20261205/``)
+- by 1-7 rows with its vector kernel, once per row, so each row reads all the weights again (the
+  4-bit 7B's 18,944 x 3,584 product: 50 / 87 / 172 us for 1 / 2 / 4 rows);
+- by 8 rows and more with its Ampere tiled kernel (16 x 128 tiles), which reads them once (43 us
+  for 8 rows);
 - by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row: a 4-bit
   7B decoded 8 rows in 26 ms a step, against 8.2 ms at 16 bits.
 
@@ -200,7 +201,7 @@ def fits(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
             and layer.scales.dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
-_TILED_ROWS = 8  # from this many rows MLX's tiled kernel reads the weights once
+_TILED_ROWS = 8  # from this many rows MLX's tiled kernel (qmm_sm80) reads the weights once
 # 2-7 rows go to :func:`qmv` where MLX's re-reading of the weights for each row costs more than the
 # kernel's extra host time: where (rows - 1) x the weights' bytes reach this. On the H100's 4-bit 7B
 # (every 2-7-row product through the kernel) steps of 2 and 4 rows took 6.0-6.5 and 7.6-9.0 ms against
