@@ -39,22 +39,17 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
                and mlx_quantized.fits(layer)}
     assert fitting == {"4-bit g64", "4-bit g32, bias", "4-bit embedding", "8-bit"}
     assert mlx_quantized.install(model) == 0  # not on CUDA
-    expected = {}
-    inputs = {rows: mx.random.normal((rows, 1, 64), key=mx.random.key(rows)) for rows in (1, 3, 8, 12)}
-    for name in ("4-bit g32, bias", "mxfp4"):
-        layer = layers[name]
-        x = inputs if name != "mxfp4" else {r: mx.random.normal((r, 1, 128), key=mx.random.key(r)) for r in inputs}
-        expected[name] = {rows: layer(v) for rows, v in x.items()}
+    inputs = {name: {rows: mx.random.normal((rows, 1, k), key=mx.random.key(rows)) for rows in (1, 3, 8, 12)}
+              for name, k in (("4-bit g32, bias", 64), ("mxfp4", 128))}
+    expected = {name: {rows: layers[name](x) for rows, x in xs.items()} for name, xs in inputs.items()}
     assert mlx_quantized.route(model, True) == 5
     assert type(layers["4-bit g64"]) is mlx_quantized.DecodeQuantizedLinear
     assert type(layers["mxfp4"]) is mlx_quantized.DecodeQuantizedLinear
     assert type(layers["4-bit embedding"]) is mlx_quantized.DecodeQuantizedEmbedding
     assert type(layers["float"]) is nn.Linear
-    for name in ("4-bit g32, bias", "mxfp4"):
-        layer = layers[name]
-        k = 64 if name != "mxfp4" else 128
-        for rows, want in expected[name].items():
-            got = layer(mx.random.normal((rows, 1, k), key=mx.random.key(rows)))
+    for name, xs in inputs.items():
+        for rows, x in xs.items():
+            got, want = layers[name](x), expected[name][rows]
             assert got.shape == want.shape
             assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (name, rows)
     embedding = layers["4-bit embedding"]  # a tied output layer's product

@@ -41,26 +41,9 @@ _HEAD_SIZES = (64, 96, 128, 256)
 _VETTED = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma", "granite",
                      "olmo2", "smollm3"})
 
-# Written against no header (16-bit floats converted by hand) so that NVRTC compiles it in a moment,
-# once per architecture, and the binary is kept on disk (engines/nvrtc.py). Rows are contiguous
-# (B, heads, capacity, D) buffers; row b reads positions starts[b] .. LENGTH - 1.
-_TYPES = {
-    "float32": "typedef float T;\n"
-               "__device__ __forceinline__ float load(T x) { return x; }\n"
-               "__device__ __forceinline__ T store(float x) { return x; }\n",
-    "float16": "typedef unsigned short T;\n"
-               "__device__ __forceinline__ float load(T x) {\n"
-               "    float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(x)); return f; }\n"
-               "__device__ __forceinline__ T store(float x) {\n"
-               "    T h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(x)); return h; }\n",
-    "bfloat16": "typedef unsigned short T;\n"
-                "__device__ __forceinline__ float load(T x) { return __uint_as_float(((unsigned int)x) << 16); }\n"
-                "__device__ __forceinline__ T store(float x) {  // round to nearest even, as MLX does\n"
-                "    unsigned int u = __float_as_uint(x);\n"
-                "    if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40u);\n"
-                "    return (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }\n",
-}
-
+# Written against no header (16-bit floats converted by hand: ``nvrtc.TYPES``) so that NVRTC compiles
+# it in a moment, once per architecture, and the binary is kept on disk (engines/nvrtc.py). Rows are
+# contiguous (B, heads, capacity, D) buffers; row b reads positions starts[b] .. LENGTH - 1.
 _SOURCE = """
 extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts, ENDS T* out,
                                 int capacity, float scale LENGTH_ARG) {
@@ -148,7 +131,7 @@ def kernel_source(name: str, dtype: mx.Dtype, heads: int, kv_heads: int, size: i
     """The decode attention's CUDA source for one shape: ``bounded`` reads to ``ends[0]`` (an array,
     a traced step's), else to the ``length`` given at launch."""
     return (f"#define HQ {heads}\n#define HKV {kv_heads}\n#define D {size}\n"
-            + _TYPES[str(dtype).rsplit(".", 1)[-1]]
+            + nvrtc.TYPES[str(dtype).rsplit(".", 1)[-1]]
             + _SOURCE.replace("NAME", name)
             .replace("ENDS", "const int* ends," if bounded else "")
             .replace("LENGTH_ARG", "" if bounded else ", int length_given")

@@ -36,36 +36,22 @@ from mesh_llm.engines.mlx_attention import on_cuda
 _GROUP_SIZES = (32, 64, 128)
 _LANE = 16  # values a lane reads at a time (8 bytes at 4 bits, 16 at 8), within one group
 
-# 16-bit rows are read 8 values (16 bytes) at a time and turned into floats by hand, so that NVRTC
-# needs no header.
-_TYPES = {
-    "float16": """typedef unsigned short T;
-__device__ __forceinline__ float load1(T x) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
-__device__ __forceinline__ T store(float x) {
-    T h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x)); return h; }
-__device__ __forceinline__ void load8(const T* p, float* out) {
+# Eight values of a row (16 or 32 bytes) read at once and turned into floats, after the element type's
+# conversions (``nvrtc.TYPES``).
+_LOAD8 = {
+    "float16": """__device__ __forceinline__ void load8(const T* p, float* out) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-    for (int i = 0; i < 4; ++i) { out[2 * i] = load1((T)(w[i] & 0xffffu)); out[2 * i + 1] = load1((T)(w[i] >> 16)); }
+    for (int i = 0; i < 4; ++i) { out[2 * i] = load((T)(w[i] & 0xffffu)); out[2 * i + 1] = load((T)(w[i] >> 16)); }
 }
 """,
-    "bfloat16": """typedef unsigned short T;
-__device__ __forceinline__ float load1(T x) { return __uint_as_float(((unsigned int)x) << 16); }
-__device__ __forceinline__ T store(float x) {  // round to nearest even, as MLX does
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40u);
-    return (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
-__device__ __forceinline__ void load8(const T* p, float* out) {
+    "bfloat16": """__device__ __forceinline__ void load8(const T* p, float* out) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
     for (int i = 0; i < 4; ++i) { out[2 * i] = __uint_as_float(w[i] << 16); out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u); }
 }
 """,
-    "float32": """typedef float T;
-__device__ __forceinline__ float load1(T x) { return x; }
-__device__ __forceinline__ T store(float x) { return x; }
-__device__ __forceinline__ void load8(const T* p, float* out) {
+    "float32": """__device__ __forceinline__ void load8(const T* p, float* out) {
     const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
@@ -103,8 +89,8 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
             const uint4 u = *reinterpret_cast<const uint4*>(p);
             packed[r].v[0] = u.x; packed[r].v[1] = u.y; packed[r].v[2] = u.z; packed[r].v[3] = u.w;
 #endif
-            scale[r] = load1(scales[row * groups + base / GS]);
-            bias[r] = load1(biases[row * groups + base / GS]);
+            scale[r] = load(scales[row * groups + base / GS]);
+            bias[r] = load(biases[row * groups + base / GS]);
         }
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -168,7 +154,7 @@ def rows_per_warp(rows: int, outputs: int) -> int:
 def kernel_source(name: str, dtype: str, bits: int, rows: int, per_warp: int, group_size: int,
                   unroll: int = 1) -> str:
     return (f"#define BITS {bits}\n#define M {rows}\n#define R {per_warp}\n#define GS {group_size}\n"
-            f"#define UNROLL {unroll}\n" + _TYPES[dtype] + _SOURCE.replace("NAME", name))
+            f"#define UNROLL {unroll}\n" + nvrtc.TYPES[dtype] + _LOAD8[dtype] + _SOURCE.replace("NAME", name))
 
 
 def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4,
@@ -178,12 +164,12 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     loop) are for benchmarks/gpu_qmv.py to compare."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
-    dtype = str(x.dtype).rsplit(".", 1)[-1]
     per_warp = per_warp or rows_per_warp(rows, n)
-    shape = (dtype, bits, rows, per_warp, group_size, unroll)
-    if shape not in _binaries:
+    shape = (x.dtype, bits, rows, per_warp, group_size, unroll)
+    if shape not in _binaries:  # a look-up a call: this runs for every quantized product of a step
+        dtype = str(x.dtype).rsplit(".", 1)[-1]
         name = f"mesh_llm_qmv{bits}_{dtype}_m{rows}_r{per_warp}_g{group_size}_u{unroll}"
-        _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, *shape))
+        _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, dtype, *shape[1:]))
     name, binary = _binaries[shape]
     blocks = -(-n // (per_warp * _WARPS))
     (out,) = mx.fast.precompiled_cuda_kernel(

@@ -22,6 +22,25 @@ from pathlib import Path
 
 import mlx.core as mx
 
+# A kernel's element type T and its conversions to and from float32, written by hand (16-bit floats
+# through PTX) so that NVRTC needs no header: one per MLX float type.
+TYPES = {
+    "float32": "typedef float T;\n"
+               "__device__ __forceinline__ float load(T x) { return x; }\n"
+               "__device__ __forceinline__ T store(float x) { return x; }\n",
+    "float16": "typedef unsigned short T;\n"
+               "__device__ __forceinline__ float load(T x) {\n"
+               "    float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(x)); return f; }\n"
+               "__device__ __forceinline__ T store(float x) {\n"
+               "    T h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(x)); return h; }\n",
+    "bfloat16": "typedef unsigned short T;\n"
+                "__device__ __forceinline__ float load(T x) { return __uint_as_float(((unsigned int)x) << 16); }\n"
+                "__device__ __forceinline__ T store(float x) {  // round to nearest even, as MLX does\n"
+                "    unsigned int u = __float_as_uint(x);\n"
+                "    if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40u);\n"
+                "    return (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }\n",
+}
+
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 
