@@ -267,8 +267,8 @@ def set_kernel(model: nn.Module, on: bool) -> None:
             module.__class__ = nn.Embedding
 
 
-def decode(model, rows: int, tokens: int, prompt: int = 512) -> float:
-    """Seconds a decode step of ``rows`` rows, median, pipelined as the engine runs on a GPU."""
+def decoder(model, rows: int, prompt: int = 512):
+    """``rows`` random prompts read into fresh caches; returns a greedy decode step and its first input."""
     cache = make_prompt_cache(model)
     ids = mx.random.randint(0, 1000, (rows, prompt), key=mx.random.key(rows))
     model(ids, cache=cache)
@@ -277,7 +277,12 @@ def decode(model, rows: int, tokens: int, prompt: int = 512) -> float:
     def forward(y):
         return mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
 
-    return pipelined_steps(forward, ids[:, -1], tokens)["step_ms"] / 1000
+    return forward, ids[:, -1]
+
+
+def decode(model, rows: int, tokens: int, prompt: int = 512) -> float:
+    """Seconds a decode step of ``rows`` rows, median, pipelined as the engine runs on a GPU."""
+    return pipelined_steps(*decoder(model, rows, prompt), tokens)["step_ms"] / 1000
 
 
 def models(shapes: list[str], tokens: int, rounds: int) -> list[dict]:

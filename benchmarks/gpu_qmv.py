@@ -25,78 +25,114 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
-from gpu_gemv import SHAPES, arguments, decode, matrices, time_calls, write  # noqa: E402 - benchmarks/, the script's own folder
+from gpu_gemv import SHAPES, arguments, decoder, matrices, write  # noqa: E402 - benchmarks/, the script's own folder
+from gpu_mlx_step import kernel_times, pipelined_steps  # noqa: E402
 from mesh_llm.engines import mlx_quantized  # noqa: E402
 from mesh_llm.engines.mlx_projections import fuse_projections  # noqa: E402
 
 GROUP = 64
 
 
+def kernel_us(fn, x, ws) -> float:
+    """GPU microseconds a call (its kernels' summed time, PyTorch's profiler), each call evaluated
+    alone on the next copy of the matrix: nothing overlaps, and nothing is served from L2."""
+    import torch  # noqa: PLC0415 - only here, after MLX has its kernels
+
+    mx.eval([fn(x, w) for w in ws])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for w in ws:
+            mx.eval(fn(x, w))
+    return kernel_times(prof)["gpu_ms"] * 1000 / len(ws)
+
+
+METHODS = {"mlx": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=4),
+           "qmv": lambda x, q: mlx_quantized.qmv(x, *q, GROUP, 4),
+           "qmm": lambda x, q: mlx_quantized.qmm(x, *q, GROUP)}
+
+
 def products(shapes: list[str]) -> list[dict]:
     rows_out = []
     for name in shapes:
-        for label, (n, k) in matrices(SHAPES[name]).items():
+        found = matrices(SHAPES[name])
+        h, i = SHAPES[name]["hidden_size"], SHAPES[name]["intermediate_size"]
+        found.update({"q/k/v fused": (h + 2 * found["k/v"][0], h), "gate/up fused": (2 * i, h)})
+        for label, (n, k) in found.items():
             size = n * k // 2 + 2 * (n * k // GROUP) * 2  # weights, scales and biases
-            copies = min(2048, max(4, -(-512 * 2**20 // size)))  # up to 512 MiB: far past the 50 MB L2
+            copies = min(256, max(4, -(-512 * 2**20 // size)))  # up to 512 MiB: far past the 50 MB L2
             ws = []
             for c in range(copies):
                 w = mx.random.normal((n, k), key=mx.random.key(c)).astype(mx.float16) * k ** -0.5
                 ws.append(mx.quantize(w, GROUP, 4))
                 mx.eval(ws[-1])
-            for rows in (1, 2, 4, 8):
+            for rows in (1, 2, 4, 8, 16):
                 x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(mx.float16)
                 reference = x.astype(mx.float32) @ mx.dequantize(*ws[0], GROUP, 4).astype(mx.float32).T
-
-                def mlx(x, q):
-                    return mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=4)
-
-                def kernel(x, q):
-                    return mlx_quantized.qmv(x, *q, GROUP, 4)
-
-                errors = {label_: mx.max(mx.abs(fn(x, ws[0]).astype(mx.float32) - reference)).item()
-                          for label_, fn in (("mlx", mlx), ("kernel", kernel))}
-                t_mlx, t_ker = time_calls(mlx, x, ws), time_calls(kernel, x, ws)
-                variants = {}  # the kernel's settings against its defaults, where it matters most
-                if n * k >= 3584 * 3584 and rows in (1, 8):
-                    for per_warp in (1, 2, 4):
-                        for unroll in (1, 2, 4):
-                            variants[f"r{per_warp}u{unroll}"] = time_calls(
-                                lambda x, q: mlx_quantized.qmv(x, *q, GROUP, 4, per_warp, unroll), x, ws) * 1e6
                 row = {"shape": name, "matrix": label, "n": n, "k": k, "rows": rows,
-                       "mlx_us": t_mlx * 1e6, "kernel_us": t_ker * 1e6,
-                       "mlx_gbs": size / t_mlx / 1e9, "kernel_gbs": size / t_ker / 1e9,
-                       "speedup": t_mlx / t_ker, "mlx_err": errors["mlx"], "kernel_err": errors["kernel"],
-                       "scale": mx.max(mx.abs(reference)).item(), "variants_us": variants}
+                       "scale": mx.max(mx.abs(reference)).item()}
+                for method, fn in METHODS.items():
+                    if method == "qmv" and rows > 8:
+                        continue
+                    row[f"{method}_err"] = mx.max(mx.abs(fn(x, ws[0]).astype(mx.float32) - reference)).item()
+                    row[f"{method}_us"] = us = kernel_us(fn, x, ws)
+                    row[f"{method}_gbs"] = size / us / 1e3
                 rows_out.append(row)
-                print(f"{name:13} {label:8} {n:6}x{k:<6} rows {rows}: MLX {row['mlx_us']:8.1f} us "
-                      f"({row['mlx_gbs']:6.0f} GB/s)  kernel {row['kernel_us']:8.1f} us "
-                      f"({row['kernel_gbs']:6.0f} GB/s)  x{row['speedup']:.2f}  "
-                      f"err {errors['mlx']:.1e} / {errors['kernel']:.1e} of {row['scale']:.1e}", flush=True)
-                if variants:
-                    print("    variants (us): " + "  ".join(f"{v} {t:.1f}" for v, t in variants.items()), flush=True)
+                print(f"{name:13} {label:13} {n:6}x{k:<6} rows {rows:2}: " + "  ".join(
+                    f"{m} {row[m + '_us']:7.1f} us ({row[m + '_gbs']:5.0f} GB/s, err {row[m + '_err']:.1e})"
+                    for m in METHODS if m + "_us" in row) + f" of {row['scale']:.1e}", flush=True)
             del ws
             mx.clear_cache()
     return rows_out
 
 
-# The engine's routed 4-bit products (rows flattened), 2-7 rows through the kernel from how many bytes
-# of weights: never, the engine's default, always. (The first H100 runs, in
+# The engine's routed 4-bit products (rows flattened): from how many bytes of weights 2-7 rows go
+# through the kernel (never, the engine's default, always), and a variant that sends 8 rows to it too
+# (``_TILED_ROWS``), where MLX would use its tiled kernel. (The first H100 runs, in
 # benchmarks/results/h100-20261205/qmv-steps/, also had 2-7 rows padded to 8 for MLX's tiled kernel,
 # the slowest, and one row over 16,384 outputs through the kernel, slower than MLX's.)
-VARIANTS = {"mlx": 1 << 62, "default": mlx_quantized.KERNEL_BYTES, "kernel": 0}
+VARIANTS = {"mlx": dict(KERNEL_BYTES=1 << 62, _TILED_ROWS=8, MMA_ROWS=()),
+            "default": dict(KERNEL_BYTES=mlx_quantized.KERNEL_BYTES, _TILED_ROWS=8, MMA_ROWS=mlx_quantized.MMA_ROWS),
+            "qmv 2-8": dict(KERNEL_BYTES=0, _TILED_ROWS=9, MMA_ROWS=()),
+            "qmm 2-16": dict(KERNEL_BYTES=0, _TILED_ROWS=8, MMA_ROWS=range(2, 17)),
+            "qmm 1-16": dict(KERNEL_BYTES=0, _TILED_ROWS=8, MMA_ROWS=range(1, 17))}
 
 
-def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> list[dict]:
+def profile(model, rows: int, tokens: int = 16) -> dict:
+    """A synchronous decode step's GPU kernels and the host's CUDA calls (PyTorch's profiler)."""
+    import torch  # noqa: PLC0415 - only here, after MLX has its kernels
+
+    forward, y = decoder(model, rows)
+    for _ in range(4):
+        y = forward(y)
+        mx.eval(y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(tokens):
+            y = forward(y)
+            mx.eval(y)
+    found = kernel_times(prof, top=8)
+    return {"kernels": found["kernels"] / tokens, "gpu_ms": found["gpu_ms"] / tokens,
+            "api_ms": found["api_ms"] / tokens,
+            "top_us": [(n, t / tokens) for n, t in found["top"]],
+            "api_top_us": [(n, t / tokens) for n, t in found["api_top"]]}
+
+
+def models(shapes: list[str], tokens: int, rounds: int, levels: list[int], kernels: bool) -> list[dict]:
     out = []
 
     def record(name, rows, r, label, model):
-        step = decode(model, rows, tokens)
+        split = pipelined_steps(*decoder(model, rows), tokens)
+        step = split["step_ms"] / 1000
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        row = {"shape": name, "rows": rows, "round": r, "products": label, "step_ms": step * 1e3,
+        row = {"shape": name, "rows": rows, "round": r, "products": label, **split,
                "tok_s": rows / step, "weights_gb": weights / 1e9, "weight_gbs": weights / step / 1e9}
-        out.append(row)
-        print(f"{name:13} rows {rows:2} round {r} {label:22}: {row['step_ms']:6.2f} ms a step, "
+        print(f"{name:13} rows {rows:2} round {r} {label:26}: {row['step_ms']:6.2f} ms a step (build "
+              f"{split['build_ms']:.2f}, submit {split['submit_ms']:.2f}, read {split['read_ms']:.2f}), "
               f"{row['tok_s']:6.0f} tok/s, {row['weight_gbs']:5.0f} GB/s of {row['weights_gb']:.2f} GB", flush=True)
+        if kernels and r == 0:
+            row["profile"] = k = profile(model, rows)
+            print(f"    {k['kernels']:.0f} kernels, {k['gpu_ms']:.2f} ms of GPU, {k['api_ms']:.2f} ms of CUDA "
+                  "calls a step; kernels: " + "; ".join(f"{n} {t:.0f} us" for n, t in k["top_us"][:6])
+                  + "\n    calls: " + "; ".join(f"{n} {t:.0f} us" for n, t in k["api_top_us"][:5]), flush=True)
+        out.append(row)
 
     def build(name):
         model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6,
@@ -122,8 +158,9 @@ def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> li
         mx.eval(model.parameters())
         for rows in levels:
             for r in range(rounds):
-                for label, threshold in VARIANTS.items():
-                    mlx_quantized.KERNEL_BYTES = threshold
+                for label, settings in VARIANTS.items():
+                    for attribute, value in settings.items():
+                        setattr(mlx_quantized, attribute, value)
                     record(name, rows, r, f"4-bit fused, {label}", model)
         del model
         mx.clear_cache()
@@ -131,10 +168,12 @@ def models(shapes: list[str], tokens: int, rounds: int, levels: list[int]) -> li
 
 
 def main() -> None:
-    args = arguments(__doc__, ("--levels", {"default": "1,2,4,8,16", "help": "decode rows"}))
+    args = arguments(__doc__, ("--levels", {"default": "1,2,4,8,16", "help": "decode rows"}),
+                     ("--kernels", {"action": "store_true", "help": "profile each case's kernels (torch)"}))
     shapes = args.shapes.split(",")
     write({"products": [] if args.skip_products else products(shapes),
-           "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")])}, "qmv.json")
+           "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")],
+                            args.kernels)}, "qmv.json")
 
 
 if __name__ == "__main__":

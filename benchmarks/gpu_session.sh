@@ -549,7 +549,7 @@ qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"):
   MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 300 python3 -m pytest -q -p no:cacheprovider \
     tests/engines/test_mlx_gpu.py ${QMV_TESTS:+-k "$QMV_TESTS"} 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -12 || true
   wait_model qwen2.5-7b
-  timeout 400 python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" $QMV_ARGS 2>&1 | grep -v Warning \
+  timeout "${QMV_TIMEOUT:-400}" python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" $QMV_ARGS 2>&1 | grep -v Warning \
     | tee "$OUT/qmv.txt" | tail -60 || true
   ;;
 conc-q4)  # carry [".device/x"] (the server's llguidance), after qmv: the 7B shape through HTTP at 16 bits

@@ -138,6 +138,135 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
 }
 """
 
+# The same product on tensor cores, for 4-bit weights and float16 or bfloat16 rows (1-16): each warp
+# dequantizes 16 output rows x 64 inputs into registers and multiplies them by 8 input rows at a time
+# (``mma.sync`` m16n8k16, float32 sums). A lane's 16 inputs are contiguous (8 bytes of weights, 32 of
+# x); the pairs the mma takes as neighbouring inputs are the pairs the unpacking makes, values v and
+# v + 4 of each word, and x's halves are permuted to match (a dot product is blind to the order). A
+# block's warps take turns over the inputs (64 each) for the same ``TILES`` x 16 outputs and add
+# their sums at the end, so even 3,584 outputs make 224 blocks.
+_MMA_SOURCE = """
+#define NT ((M + 7) / 8)  // input rows in tiles of 8
+__device__ __forceinline__ unsigned int fma2(unsigned int a, unsigned int b, unsigned int c) {
+    unsigned int d; asm("fma.rn." PAIR " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+__device__ __forceinline__ void mma(float* d, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                                    unsigned int b0, unsigned int b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." HALF "." HALF ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scales, const T* biases,
+                                T* out, int n, int k) {
+    __shared__ float partial[WARPS][TILES * NT * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int first = blockIdx.x * TILES * 16;
+    const int words = k / 8, groups = k / GS;
+    float acc[TILES][NT][4];
+    #pragma unroll
+    for (int i = 0; i < TILES; ++i)
+        #pragma unroll
+        for (int j = 0; j < NT; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+    #pragma unroll UNROLL
+    for (int c = warp * 64; c < k; c += WARPS * 64) {
+        const int at = c + 16 * t;  // the lane's 16 inputs, in one group
+        unsigned int b[NT][8];  // x row g + 8 nt: the pairs (v, v + 4) of each 8 inputs
+        #pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            if (g + 8 * j < M) {
+                const T* p = x + (long long)(g + 8 * j) * k + at;
+                const uint4 lo = *reinterpret_cast<const uint4*>(p), hi = *reinterpret_cast<const uint4*>(p + 8);
+                b[j][0] = __byte_perm(lo.x, lo.z, 0x5410); b[j][1] = __byte_perm(lo.x, lo.z, 0x7632);
+                b[j][2] = __byte_perm(lo.y, lo.w, 0x5410); b[j][3] = __byte_perm(lo.y, lo.w, 0x7632);
+                b[j][4] = __byte_perm(hi.x, hi.z, 0x5410); b[j][5] = __byte_perm(hi.x, hi.z, 0x7632);
+                b[j][6] = __byte_perm(hi.y, hi.w, 0x5410); b[j][7] = __byte_perm(hi.y, hi.w, 0x7632);
+            } else {
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) b[j][i] = 0u;
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+            unsigned int a[2][8];  // output rows g and g + 8: the same pairs of their weights
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const long long row = min(first + 16 * i + g + 8 * h, n - 1);
+                const uint2 u = *reinterpret_cast<const uint2*>(w + row * words + at / 8);
+                const unsigned int s = scales[row * groups + at / GS], o = biases[row * groups + at / GS];
+                const unsigned int s2 = s | (s << 16), o2 = o | (o << 16), word[2] = {u.x, u.y};
+                #pragma unroll
+                for (int q = 0; q < 8; ++q) {  // 2^e + v as a float less 2^e: exact
+                    const unsigned int v = ((word[q / 4] >> (4 * (q % 4))) & 0x000f000fu) | MAGIC;
+                    a[h][q] = fma2(fma2(v, ONE, MINUS), s2, o2);
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < NT; ++j)
+                #pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    mma(acc[i][j], a[0][2 * q], a[1][2 * q], a[0][2 * q + 1], a[1][2 * q + 1], b[j][2 * q], b[j][2 * q + 1]);
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < TILES; ++i)
+        #pragma unroll
+        for (int j = 0; j < NT; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) partial[warp][(i * NT + j) * 4 + r][lane] = acc[i][j][r];
+    __syncthreads();
+    if (warp != 0) return;
+    #pragma unroll
+    for (int i = 0; i < TILES; ++i)
+        #pragma unroll
+        for (int j = 0; j < NT; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                float sum = 0.0f;
+                #pragma unroll
+                for (int v = 0; v < WARPS; ++v) sum += partial[v][(i * NT + j) * 4 + r][lane];
+                const int row = first + 16 * i + g + 8 * (r / 2), input = 8 * j + 2 * t + (r % 2);
+                if (row < n && input < M) out[(long long)input * n + row] = store(sum);
+            }
+}
+"""
+# Per element type: the pair's PTX name, 2^e in both halves (the exponent leaving 4 bits of mantissa
+# for v), -2^e and 1 in both halves.
+_MMA_TYPES = {"float16": ('"f16x2"', '"f16"', "0x64006400u", "0xe400e400u", "0x3c003c00u"),
+              "bfloat16": ('"bf16x2"', '"bf16"', "0x43004300u", "0xc300c300u", "0x3f803f80u")}
+_MMA_ROWS = 16  # the most rows :func:`qmm` takes (two tiles of 8)
+
+
+def mma_source(name: str, dtype: str, rows: int, tiles: int, group_size: int, unroll: int = 1) -> str:
+    pair, half, magic, minus, one = _MMA_TYPES[dtype]
+    return (f"#define M {rows}\n#define TILES {tiles}\n#define GS {group_size}\n#define UNROLL {unroll}\n"
+            f"#define WARPS {_WARPS}\n#define PAIR {pair}\n#define HALF {half}\n#define MAGIC {magic}\n"
+            f"#define MINUS {minus}\n#define ONE {one}\n" + nvrtc.TYPES[dtype] + _MMA_SOURCE.replace("NAME", name))
+
+
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+        tiles: int | None = None, unroll: int = 1) -> mx.array:
+    """``x @ dequantize(w).T`` on tensor cores for 4-bit weights ``w`` (n, k / 8), 1-16 rows of a
+    float16 or bfloat16 ``x`` (..., k), k a multiple of 64; returns (..., n) in ``x``'s dtype."""
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k
+    tiles = tiles or (2 if n >= 16 * 2 * 256 else 1)  # 256 blocks or more either way
+    shape = ("mma", x.dtype, rows, tiles, group_size, unroll)
+    if shape not in _binaries:
+        dtype = str(x.dtype).rsplit(".", 1)[-1]
+        name = f"mesh_llm_qmm4_{dtype}_m{rows}_t{tiles}_g{group_size}_u{unroll}"
+        _binaries[shape] = name, nvrtc.cubin(name, mma_source(name, dtype, *shape[2:]))
+    name, binary = _binaries[shape]
+    blocks = -(-n // (16 * tiles))
+    (out,) = mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k],
+        grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
+        output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
+    return out.reshape(*x.shape[:-1], n)
+
+
 _WARPS = 4  # a block's warps
 UNROLL = 1  # iterations of the inputs' loop unrolled (2 and 4 were no faster on the H100)
 _binaries: dict[tuple, tuple[str, bytes]] = {}  # per shape: the kernel's name and cubin
@@ -187,6 +316,13 @@ def fits(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
             and layer.scales.dtype in (mx.float16, mx.bfloat16, mx.float32))
 
 
+def fits_mma(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
+    """A layer :func:`qmm` can serve: 4-bit affine weights of half types, inputs a multiple of 64."""
+    return fits(layer) and layer.bits == 4 and layer.scales.dtype in (mx.float16, mx.bfloat16) and (
+        layer.weight.shape[-1] * 8 % 64 == 0)
+
+
+MMA_ROWS = range(2, _MMA_ROWS + 1)  # rows :func:`qmm` takes, where the layer fits it
 _TILED_ROWS = 8  # from this many rows MLX's tiled kernel (qmm_sm80) reads the weights once
 # 2-7 rows go to :func:`qmv` where MLX's re-reading of the weights for each row costs more than the
 # kernel's extra host time: where (rows - 1) x the weights' bytes reach this. On the H100's 4-bit 7B
@@ -204,7 +340,10 @@ def product(layer, x: mx.array) -> mx.array:
     rows = x.size // k
     flat = x.reshape(rows, k)
     q = (layer["weight"], layer["scales"], layer.get("biases"))
-    if (1 < rows < _TILED_ROWS and (rows - 1) * q[0].nbytes >= KERNEL_BYTES and x.dtype == layer.scales.dtype
+    if (rows in MMA_ROWS and (rows >= _TILED_ROWS or (rows - 1) * q[0].nbytes >= KERNEL_BYTES)
+            and x.dtype == layer.scales.dtype and fits_mma(layer)):
+        out = qmm(flat, *q, layer.group_size)
+    elif (1 < rows < _TILED_ROWS and (rows - 1) * q[0].nbytes >= KERNEL_BYTES and x.dtype == layer.scales.dtype
             and fits(layer)):
         out = qmv(flat, *q, layer.group_size, layer.bits)
     else:
