@@ -138,6 +138,47 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
 }
 """
 
+_WARPS = 4  # a block's warps
+UNROLL = 1  # iterations of the inputs' loop unrolled (2 and 4 were no faster on the H100)
+_binaries: dict[tuple, tuple[str, bytes]] = {}  # per shape: the kernel's name and cubin
+
+
+def rows_per_warp(rows: int, outputs: int) -> int:
+    """Output rows a warp computes: several share the lanes' inputs (fewer reads of x) where the
+    outputs are many enough to keep every multiprocessor busy."""
+    if outputs <= 4096:
+        return 1
+    return 4 if rows <= 2 else 2
+
+
+def kernel_source(name: str, dtype: str, bits: int, rows: int, per_warp: int, group_size: int,
+                  unroll: int = 1) -> str:
+    return (f"#define BITS {bits}\n#define M {rows}\n#define R {per_warp}\n#define GS {group_size}\n"
+            f"#define UNROLL {unroll}\n" + nvrtc.TYPES[dtype] + _LOAD8[dtype] + _SOURCE.replace("NAME", name))
+
+
+def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4,
+        per_warp: int | None = None, unroll: int = UNROLL) -> mx.array:
+    """``x @ dequantize(w).T`` for 4- or 8-bit affine weights ``w`` (n, k * bits / 32) and 1-8 rows
+    of ``x`` (..., k); returns (..., n) in ``x``'s dtype. ``per_warp`` and ``unroll`` (of the inputs'
+    loop) are for benchmarks/gpu_qmv.py to compare."""
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k
+    per_warp = per_warp or rows_per_warp(rows, n)
+    shape = (x.dtype, bits, rows, per_warp, group_size, unroll)
+    if shape not in _binaries:  # a look-up a call: this runs for every quantized product of a step
+        dtype = str(x.dtype).rsplit(".", 1)[-1]
+        name = f"mesh_llm_qmv{bits}_{dtype}_m{rows}_r{per_warp}_g{group_size}_u{unroll}"
+        _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, dtype, *shape[1:]))
+    name, binary = _binaries[shape]
+    blocks = -(-n // (per_warp * _WARPS))
+    (out,) = mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k],
+        grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
+        output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
+    return out.reshape(*x.shape[:-1], n)
+
+
 # The same product on tensor cores, for 4-bit weights and float16 or bfloat16 rows (1-16): each warp
 # dequantizes 16 output rows x 64 inputs into registers and multiplies them by 8 input rows at a time
 # (``mma.sync`` m16n8k16, float32 sums). A lane's 16 inputs are contiguous (8 bytes of weights, 32 of
@@ -146,7 +187,6 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
 # block's warps take turns over the inputs (64 each) for the same ``TILES`` x 16 outputs and add
 # their sums at the end, so even 3,584 outputs make 224 blocks.
 _MMA_SOURCE = """
-#define NT ((M + 7) / 8)  // input rows in tiles of 8
 __device__ __forceinline__ unsigned int fma2(unsigned int a, unsigned int b, unsigned int c) {
     unsigned int d; asm("fma.rn." PAIR " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
 }
@@ -158,7 +198,7 @@ __device__ __forceinline__ void mma(float* d, unsigned int a0, unsigned int a1, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scales, const T* biases,
-                                T* out, int n, int k) {
+                                T* out, int n, int k, int m) {
     __shared__ float partial[WARPS][TILES * NT * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int first = blockIdx.x * TILES * 16;
@@ -176,7 +216,7 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
         unsigned int b[NT][8];  // x row g + 8 nt: the pairs (v, v + 4) of each 8 inputs
         #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            if (g + 8 * j < M) {
+            if (g + 8 * j < m) {
                 const T* p = x + (long long)(g + 8 * j) * k + at;
                 const uint4 lo = *reinterpret_cast<const uint4*>(p), hi = *reinterpret_cast<const uint4*>(p + 8);
                 b[j][0] = __byte_perm(lo.x, lo.z, 0x5410); b[j][1] = __byte_perm(lo.x, lo.z, 0x7632);
@@ -228,7 +268,7 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
                 #pragma unroll
                 for (int v = 0; v < WARPS; ++v) sum += partial[v][(i * NT + j) * 4 + r][lane];
                 const int row = first + 16 * i + g + 8 * (r / 2), input = 8 * j + 2 * t + (r % 2);
-                if (row < n && input < M) out[(long long)input * n + row] = store(sum);
+                if (row < n && input < m) out[(long long)input * n + row] = store(sum);
             }
 }
 """
@@ -239,9 +279,9 @@ _MMA_TYPES = {"float16": ('"f16x2"', '"f16"', "0x64006400u", "0xe400e400u", "0x3
 _MMA_ROWS = 16  # the most rows :func:`qmm` takes (two tiles of 8)
 
 
-def mma_source(name: str, dtype: str, rows: int, tiles: int, group_size: int, unroll: int = 1) -> str:
+def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: int, unroll: int = 1) -> str:
     pair, half, magic, minus, one = _MMA_TYPES[dtype]
-    return (f"#define M {rows}\n#define TILES {tiles}\n#define GS {group_size}\n#define UNROLL {unroll}\n"
+    return (f"#define NT {row_tiles}\n#define TILES {tiles}\n#define GS {group_size}\n#define UNROLL {unroll}\n"
             f"#define WARPS {_WARPS}\n#define PAIR {pair}\n#define HALF {half}\n#define MAGIC {magic}\n"
             f"#define MINUS {minus}\n#define ONE {one}\n" + nvrtc.TYPES[dtype] + _MMA_SOURCE.replace("NAME", name))
 
@@ -253,56 +293,15 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     tiles = tiles or (2 if n >= 16 * 2 * 256 else 1)  # 256 blocks or more either way
-    shape = ("mma", x.dtype, rows, tiles, group_size, unroll)
+    shape = ("mma", x.dtype, -(-rows // 8), tiles, group_size, unroll)  # one binary for 1-8 rows, one for 9-16
     if shape not in _binaries:
         dtype = str(x.dtype).rsplit(".", 1)[-1]
-        name = f"mesh_llm_qmm4_{dtype}_m{rows}_t{tiles}_g{group_size}_u{unroll}"
+        name = f"mesh_llm_qmm4_{dtype}_n{shape[2]}_t{tiles}_g{group_size}_u{unroll}"
         _binaries[shape] = name, nvrtc.cubin(name, mma_source(name, dtype, *shape[2:]))
     name, binary = _binaries[shape]
     blocks = -(-n // (16 * tiles))
     (out,) = mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k],
-        grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
-    return out.reshape(*x.shape[:-1], n)
-
-
-_WARPS = 4  # a block's warps
-UNROLL = 1  # iterations of the inputs' loop unrolled (2 and 4 were no faster on the H100)
-_binaries: dict[tuple, tuple[str, bytes]] = {}  # per shape: the kernel's name and cubin
-
-
-def rows_per_warp(rows: int, outputs: int) -> int:
-    """Output rows a warp computes: several share the lanes' inputs (fewer reads of x) where the
-    outputs are many enough to keep every multiprocessor busy."""
-    if outputs <= 4096:
-        return 1
-    return 4 if rows <= 2 else 2
-
-
-def kernel_source(name: str, dtype: str, bits: int, rows: int, per_warp: int, group_size: int,
-                  unroll: int = 1) -> str:
-    return (f"#define BITS {bits}\n#define M {rows}\n#define R {per_warp}\n#define GS {group_size}\n"
-            f"#define UNROLL {unroll}\n" + nvrtc.TYPES[dtype] + _LOAD8[dtype] + _SOURCE.replace("NAME", name))
-
-
-def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int = 4,
-        per_warp: int | None = None, unroll: int = UNROLL) -> mx.array:
-    """``x @ dequantize(w).T`` for 4- or 8-bit affine weights ``w`` (n, k * bits / 32) and 1-8 rows
-    of ``x`` (..., k); returns (..., n) in ``x``'s dtype. ``per_warp`` and ``unroll`` (of the inputs'
-    loop) are for benchmarks/gpu_qmv.py to compare."""
-    k, n = x.shape[-1], w.shape[0]
-    rows = x.size // k
-    per_warp = per_warp or rows_per_warp(rows, n)
-    shape = (x.dtype, bits, rows, per_warp, group_size, unroll)
-    if shape not in _binaries:  # a look-up a call: this runs for every quantized product of a step
-        dtype = str(x.dtype).rsplit(".", 1)[-1]
-        name = f"mesh_llm_qmv{bits}_{dtype}_m{rows}_r{per_warp}_g{group_size}_u{unroll}"
-        _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, dtype, *shape[1:]))
-    name, binary = _binaries[shape]
-    blocks = -(-n // (per_warp * _WARPS))
-    (out,) = mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k],
+        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k, rows],
         grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
     return out.reshape(*x.shape[:-1], n)
