@@ -1,17 +1,22 @@
-"""4-bit decode products on CUDA: mesh-llm's kernel (``engines/mlx_quantized.py``) against MLX's own
-``quantized_matmul``, then whole decode steps of random-weight Qwen2.5 shapes at 16 bits and at
-4 bits with MLX's products and with the kernel, alternated in one process.
+"""4-bit decode products on CUDA: mesh-llm's kernels (``engines/mlx_quantized.py``: ``qmv`` on CUDA
+cores, ``qmm`` on tensor cores) against MLX's own ``quantized_matmul``, then whole decode steps of
+random-weight Qwen2.5 shapes at 16 bits and at 4 bits, each way of routing the products, alternated
+in one process.
 
     python3 benchmarks/gpu_qmv.py [--shapes qwen2.5-0.5b,qwen2.5-7b] [--tokens 128] [--rounds 2]
+                                  [--levels 1,2,4,8,16] [--kernels] [--skip-products]
 
-(1) Every weight matrix of the shapes quantized to 4 bits in groups of 64, 1, 2, 4 and 8 activation
-rows: microseconds a call and the quantized bytes read per second, each call on another copy of the
-matrix so that none is served from L2; the largest error of each against a float32 product of the
-dequantized weights. (2) A random-weight model of each shape (float16) reads a 512-token prompt,
-then decodes ``--tokens`` greedy steps of each of ``--levels`` rows, the next step queued before the
-last is read (as the engine runs on a GPU): at 16 bits (projections fused, as the engine serves
-them), at 4 bits as mlx-lm's layers are, then fused and routed (``engines/mlx_quantized.py``) with
-each way of making 2-7 rows' products (``VARIANTS``), alternated ``--rounds`` times. JSON to $OUT/qmv.json when OUT is set.
+(1) Every weight matrix of the shapes (and the fused q/k/v and gate/up the engine makes) quantized
+to 4 bits in groups of 64, 1-16 activation rows: each method's GPU microseconds a call, read by
+PyTorch's profiler with each call evaluated alone on another copy of the matrix (nothing overlaps,
+nothing is served from L2), the quantized bytes read per second, and the largest error against a
+float32 product of the dequantized weights. (2) A random-weight model of each shape (float16) reads
+a 512-token prompt, then decodes ``--tokens`` greedy steps of each of ``--levels`` rows, the next
+step queued before the last is read (as the engine runs on a GPU): at 16 bits (projections fused,
+as the engine serves them), at 4 bits as mlx-lm's layers are, then fused and routed with each of
+``VARIANTS``, alternated ``--rounds`` times; each step split into building, handing over and
+reading, and with ``--kernels`` its kernels and CUDA calls counted and timed. JSON to $OUT/qmv.json
+when OUT is set.
 """
 
 from __future__ import annotations
