@@ -17,8 +17,8 @@ MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
 
 
 def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
-    """Every quantized layer is routed (the kernel takes 4- and 8-bit affine ones) and routing is
-    undone exactly; products of decode batches (B, 1, k) flattened into MLX's kernels (weights too
+    """Every quantized layer is routed (the CUDA-core kernel takes 4- and 8-bit affine ones, the
+    tensor-core one 4-bit layers of half types with inputs a multiple of 64) and routing is undone exactly; products of decode batches (B, 1, k) flattened into MLX's kernels (weights too
     small for the CUDA kernel) match the layer's own."""
     import mlx.core as mx
     from mlx import nn
@@ -38,6 +38,12 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
                                                                            nn.QuantizedEmbedding))
                and mlx_quantized.fits(layer)}
     assert fitting == {"4-bit g64", "4-bit g32, bias", "4-bit embedding", "8-bit"}
+    assert not any(mlx_quantized.fits_mma(layers[name]) for name in fitting)  # float32 scales: no mma
+    halves = {name: nn.QuantizedLinear(128, 64, bits=bits, group_size=64) for name, bits in (("4", 4), ("8", 8))}
+    halves["4, 96 inputs"] = nn.QuantizedLinear(96, 64, bits=4, group_size=32)
+    for layer in halves.values():
+        layer.set_dtype(mx.bfloat16)
+    assert {name for name, layer in halves.items() if mlx_quantized.fits_mma(layer)} == {"4"}
     assert mlx_quantized.install(model) == 0  # not on CUDA
     inputs = {name: {rows: mx.random.normal((rows, 1, k), key=mx.random.key(rows)) for rows in (1, 3, 8, 12)}
               for name, k in (("4-bit g32, bias", 64), ("mxfp4", 128))}
