@@ -89,16 +89,16 @@ def products(shapes: list[str]) -> list[dict]:
     return rows_out
 
 
-# The engine's routed 4-bit products (rows flattened): from how many bytes of weights 2-7 rows go
-# through the kernel (never, the engine's default, always), and a variant that sends 8 rows to it too
-# (``_TILED_ROWS``), where MLX would use its tiled kernel. (The first H100 runs, in
-# benchmarks/results/h100-20261205/qmv-steps/, also had 2-7 rows padded to 8 for MLX's tiled kernel,
-# the slowest, and one row over 16,384 outputs through the kernel, slower than MLX's.)
+# The engine's routed 4-bit products (rows flattened), each way of choosing the kernel: MLX's alone;
+# the engine's default; every 2-8-row product through qmv (CUDA cores); every 2-16-row, or 1-16-row,
+# product through qmm (tensor cores). Settings of engines/mlx_quantized.py.
+ALL = dict(KERNEL_BYTES=0, MMA_BYTES=0)
 VARIANTS = {"mlx": dict(KERNEL_BYTES=1 << 62, _TILED_ROWS=8, MMA_ROWS=()),
-            "default": dict(KERNEL_BYTES=mlx_quantized.KERNEL_BYTES, _TILED_ROWS=8, MMA_ROWS=mlx_quantized.MMA_ROWS),
-            "qmv 2-8": dict(KERNEL_BYTES=0, _TILED_ROWS=9, MMA_ROWS=()),
-            "qmm 2-16": dict(KERNEL_BYTES=0, _TILED_ROWS=8, MMA_ROWS=range(2, 17)),
-            "qmm 1-16": dict(KERNEL_BYTES=0, _TILED_ROWS=8, MMA_ROWS=range(1, 17))}
+            "default": dict(KERNEL_BYTES=mlx_quantized.KERNEL_BYTES, MMA_BYTES=mlx_quantized.MMA_BYTES,
+                            _TILED_ROWS=8, MMA_ROWS=mlx_quantized.MMA_ROWS),
+            "qmv 2-8": dict(ALL, _TILED_ROWS=9, MMA_ROWS=()),
+            "qmm 2-16": dict(ALL, _TILED_ROWS=8, MMA_ROWS=range(2, 17)),
+            "qmm 1-16": dict(ALL, _TILED_ROWS=8, MMA_ROWS=range(1, 17))}
 
 
 def profile(model, rows: int, tokens: int = 16) -> dict:

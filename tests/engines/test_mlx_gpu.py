@@ -327,7 +327,8 @@ def test_the_tensor_core_product_matches_the_dequantized_weights(rows, n, k, gro
 def test_a_4bit_model_decodes_as_with_mlxs_quantized_products(checkpoints, monkeypatch):
     """`--quantize 4` on a GPU routes quantized layers through engines/mlx_quantized.py: a batch of 3
     decoded for 12 steps with mlx-lm's layers, then the same tokens fed with the layers routed (every
-    2-7-row product through the kernel, whatever its size), gives logits within 2% of their size, and
+    product of its 3 rows through our kernels, whatever its size: the tensor-core one for 4-bit half
+    weights), gives logits within 2% of their size, and
     the same greedy token wherever the top two are farther apart than the two runs."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -341,6 +342,7 @@ def test_a_4bit_model_decodes_as_with_mlxs_quantized_products(checkpoints, monke
     model, *_, details, _ = load_any(Path(folder), EngineOptions(quantize=4))
     assert "quantized_decode" in details, details
     monkeypatch.setattr(mlx_quantized, "KERNEL_BYTES", 0)
+    monkeypatch.setattr(mlx_quantized, "MMA_BYTES", 0)
     prompt = mx.array([[(7 * i + r) % 100 + 3 for i in range(40)] for r in range(3)])
     tokens, runs = [], []
     for on in (False, True):

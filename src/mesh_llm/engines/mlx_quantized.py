@@ -1,26 +1,29 @@
-"""Products of quantized weights on CUDA as a decode step makes them: MLX's kernels where they read
-the weights once, mesh-llm's own where MLX's read them once per row.
+"""Products of quantized weights on CUDA as a decode step makes them: MLX's kernels where they are
+fast enough, mesh-llm's own where MLX's read the weights once per row or leave the GPU idle.
 
 MLX 0.32's CUDA backend, with groups narrower than a row (every mlx-lm quantization; its Hopper
 tiled kernel needs a group as wide as the input), multiplies quantized weights (read in its source,
-``mlx/backend/cuda/quantized/``, and measured on an H100: ``benchmarks/gpu_qmv.py``,
+``mlx/backend/cuda/quantized/``, and timed on an H100 by ``benchmarks/gpu_qmv.py``, each call alone:
 ``benchmarks/results/h100-20261205/``)
 - by 1-7 rows with its vector kernel, once per row, so each row reads all the weights again (the
-  4-bit 7B's 18,944 x 3,584 product: 50 / 87 / 172 us for 1 / 2 / 4 rows);
-- by 8 rows and more with its Ampere tiled kernel (16 x 128 tiles), which reads them once (43 us
-  for 8 rows);
-- by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row: a 4-bit
-  7B decoded 8 rows in 26 ms a step, against 8.2 ms at 16 bits.
+  4-bit 7B's 37,888 x 3,584 gate/up product: 77 / 150 / 295 us for 1 / 2 / 4 rows);
+- by 8 rows and more with its Ampere tiled kernel (16 x 128 tiles), which reads them once but keeps
+  few multiprocessors busy: 73 us for 8 rows, the 7B's down product 243 us (157 GB/s); a 4-bit 7B
+  step of 8 rows spent 11.7 ms in it, where a 16-bit step's products take about 5.5;
+- by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row.
 
-:func:`product` flattens the rows first, and sends 2-7 rows of large weights (``KERNEL_BYTES``) to
-:func:`qmv`: one pass over the weights for 1-8 rows, each warp a few output rows, its lanes walking
-the inputs 16 values at a time (within one group's scale and bias), the values turned into floats by
-bit arithmetic and summed in float32 as ``scale * dot(x, q) + bias * sum(x)``. It is written against
-no header, compiled once per shape and GPU architecture by NVRTC and kept on disk
-(:mod:`mesh_llm.engines.nvrtc`), as the decode attention is. A call of it costs the host ~8 us more
-than one of MLX's own, which is why one row, and small weights, stay MLX's. :func:`install` routes
-a model's ``QuantizedLinear`` and ``QuantizedEmbedding`` layers through :func:`product` on CUDA;
-``MESH_LLM_QUANTIZED_DECODE=0`` leaves them as they are.
+:func:`product` flattens the rows first and picks the kernel. :func:`qmm` (tensor cores, 4-bit
+weights, float16 or bfloat16 rows, 1-16 of them) dequantizes each warp's 16 output rows into
+registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.7-2.5 TB/s on the 7B's
+large products at 1-8 rows (the gate/up product 42 us for 8 rows, the down 55, the output layer
+130). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what qmm does not: each
+warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
+``scale * dot(x, q) + bias * sum(x)``. Both are written against no header, compiled once per shape
+and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode
+attention is. A call of either costs the host more than one of MLX's own, which is why one row, and
+small weights, stay MLX's. :func:`install` routes a model's ``QuantizedLinear`` and
+``QuantizedEmbedding`` layers through :func:`product` on CUDA; ``MESH_LLM_QUANTIZED_DECODE=0``
+leaves them as they are.
 """
 
 from __future__ import annotations
@@ -321,15 +324,17 @@ def fits_mma(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
         layer.weight.shape[-1] * 8 % 64 == 0)
 
 
+_TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
 MMA_ROWS = range(2, _MMA_ROWS + 1)  # rows :func:`qmm` takes, where the layer fits it
-_TILED_ROWS = 8  # from this many rows MLX's tiled kernel (qmm_sm80) reads the weights once
-# 2-7 rows go to :func:`qmv` where MLX's re-reading of the weights for each row costs more than the
-# kernel's extra host time: where (rows - 1) x the weights' bytes reach this. On the H100's 4-bit 7B
-# (every 2-7-row product through the kernel) steps of 2 and 4 rows took 6.0-6.5 and 7.6-9.0 ms against
-# 9.4-9.6 and 17.5-17.9 with MLX's alone; on the 0.5B shape, whose step is bound by the host, the
-# kernel's calls made them slower (6.4-8.5 against 4.5-7.1 ms). 16 MB sends the 0.5B's output layer
-# and the 7B's products to the kernel (benchmarks/results/h100-20261205/qmv-steps/).
+# A call of our kernels costs the host more than one of MLX's, and where a step waits on the host that
+# outweighs their faster products: on an H100, routing the 0.5B shape's 8 and 16 rows through qmm
+# made its steps 8.98-10.06 ms against 4.86-7.53, though their products took 2.90-3.25 ms of GPU
+# against 4.50-4.71. So they take only weights large enough: 2-7 rows where (rows - 1) x the weights'
+# bytes reach KERNEL_BYTES (MLX reads them once per row there), and qmm only weights of MMA_BYTES or
+# more, which are the 7B's products (its q/k/v and gate/up fused, o, down, output layer) and of the
+# 0.5B's only its output layer (benchmarks/results/h100-20261205/qmm/).
 KERNEL_BYTES = 16 * 2**20
+MMA_BYTES = 6 * 2**20
 
 
 def product(layer, x: mx.array) -> mx.array:
@@ -339,11 +344,11 @@ def product(layer, x: mx.array) -> mx.array:
     rows = x.size // k
     flat = x.reshape(rows, k)
     q = (layer["weight"], layer["scales"], layer.get("biases"))
-    if (rows in MMA_ROWS and (rows >= _TILED_ROWS or (rows - 1) * q[0].nbytes >= KERNEL_BYTES)
-            and x.dtype == layer.scales.dtype and fits_mma(layer)):
+    size = q[0].nbytes
+    ours = (rows - 1) * size >= KERNEL_BYTES and x.dtype == layer.scales.dtype
+    if ours and rows in MMA_ROWS and size >= MMA_BYTES and fits_mma(layer):
         out = qmm(flat, *q, layer.group_size)
-    elif (1 < rows < _TILED_ROWS and (rows - 1) * q[0].nbytes >= KERNEL_BYTES and x.dtype == layer.scales.dtype
-            and fits(layer)):
+    elif ours and 1 < rows < _TILED_ROWS and fits(layer):
         out = qmv(flat, *q, layer.group_size, layer.bits)
     else:
         out = mx.quantized_matmul(flat, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
@@ -371,7 +376,7 @@ _ROUTES = {nn.QuantizedLinear: DecodeQuantizedLinear, nn.QuantizedEmbedding: Dec
 
 def install(model: nn.Module) -> int:
     """Route the products of ``model``'s quantized layers through :func:`product` on CUDA (with an
-    NVRTC to build :func:`qmv`), unless ``MESH_LLM_QUANTIZED_DECODE=0``; returns how many layers."""
+    NVRTC to build our kernels), unless ``MESH_LLM_QUANTIZED_DECODE=0``; returns how many layers."""
     if os.environ.get("MESH_LLM_QUANTIZED_DECODE", "1") == "0" or not on_cuda() or not nvrtc.available():
         return 0
     return route(model, True)
