@@ -15,8 +15,8 @@ tiled kernel needs a group as wide as the input), multiplies quantized weights (
 :func:`product` flattens the rows first and picks the kernel. :func:`qmm` (tensor cores, 4-bit
 weights, float16 or bfloat16 rows, 1-16 of them) dequantizes each warp's 16 output rows into
 registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.7-2.5 TB/s on the 7B's
-large products at 1-8 rows (the gate/up product 42 us for 8 rows, the down 55, the output layer
-130). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what qmm does not: each
+gate/up and output-layer products at 1-8 rows, 0.7 on its down product (42, 130 and 55 us for 8
+rows). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what qmm does not: each
 warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
 ``scale * dot(x, q) + bias * sum(x)``. Both are written against no header, compiled once per shape
 and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode
