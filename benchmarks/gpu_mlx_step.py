@@ -81,9 +81,18 @@ def pipelined_steps(forward, y, tokens: int) -> dict:
 def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None) -> dict:
     """GPU kernels a decode step runs and their summed time, read by PyTorch's profiler (CUPTI sees
     every kernel in the process, MLX's included): synchronous steps, so nothing else overlaps."""
-    import torch  # noqa: PLC0415 - only here: a profiler, imported after MLX has its kernels
+    found = profile_steps(*one_stream(model, prompt, traced), tokens, top=12)
+    name = "traced step" if traced else "model step"
+    return {"case": f"kernels ({name})", "kernels_per_step": found["kernels"] / tokens,
+            "gpu_ms_per_step": found["gpu_ms"] / tokens,
+            "top": [(n, t / tokens) for n, t in found["top"]]}
 
-    forward, y = one_stream(model, prompt, traced)
+
+def profile_steps(forward, y, tokens: int, top: int = 8) -> dict:
+    """``forward`` run synchronously (nothing overlaps) 8 times, then ``tokens`` times under
+    PyTorch's profiler; :func:`kernel_times` of those, summed over the steps."""
+    import torch  # noqa: PLC0415
+
     for _ in range(8):
         y = forward(y)
         mx.eval(y)
@@ -91,11 +100,7 @@ def kernels(model, prompt: list[int], tokens: int, traced: CompiledDecode | None
         for _ in range(tokens):
             y = forward(y)
             mx.eval(y)
-    found = kernel_times(prof, top=12)
-    name = "traced step" if traced else "model step"
-    return {"case": f"kernels ({name})", "kernels_per_step": found["kernels"] / tokens,
-            "gpu_ms_per_step": found["gpu_ms"] / tokens,
-            "top": [(n, t / tokens) for n, t in found["top"]]}
+    return kernel_times(prof, top=top)
 
 
 def kernel_times(prof, top: int = 8) -> dict:

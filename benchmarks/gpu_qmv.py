@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
 from gpu_gemv import SHAPES, arguments, decoder, matrices, write  # noqa: E402 - benchmarks/, the script's own folder
-from gpu_mlx_step import kernel_times, pipelined_steps  # noqa: E402
+from gpu_mlx_step import kernel_times, pipelined_steps, profile_steps  # noqa: E402
 from mesh_llm.engines import mlx_quantized  # noqa: E402
 from mesh_llm.engines.mlx_projections import fuse_projections  # noqa: E402
 
@@ -103,17 +103,7 @@ VARIANTS = {"mlx": dict(KERNEL_BYTES=1 << 62, _TILED_ROWS=8, MMA_ROWS=()),
 
 def profile(model, rows: int, tokens: int = 16) -> dict:
     """A synchronous decode step's GPU kernels and the host's CUDA calls (PyTorch's profiler)."""
-    import torch  # noqa: PLC0415 - only here, after MLX has its kernels
-
-    forward, y = decoder(model, rows)
-    for _ in range(4):
-        y = forward(y)
-        mx.eval(y)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(tokens):
-            y = forward(y)
-            mx.eval(y)
-    found = kernel_times(prof, top=8)
+    found = profile_steps(*decoder(model, rows), tokens)
     return {"kernels": found["kernels"] / tokens, "gpu_ms": found["gpu_ms"] / tokens,
             "api_ms": found["api_ms"] / tokens,
             "top_us": [(n, t / tokens) for n, t in found["top"]],
