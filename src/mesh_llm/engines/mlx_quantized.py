@@ -28,6 +28,7 @@ leaves them as they are.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
@@ -325,6 +326,12 @@ def fits_mma(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
 
 
 _TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
+@functools.cache
+def tensor_cores() -> bool:
+    """This GPU runs :func:`qmm`: ``mma.sync`` m16n8k16 on half types, from compute capability 8.0."""
+    return mx.device_info().get("compute_capability_major", 0) >= 8
+
+
 MMA_ROWS = range(2, _MMA_ROWS + 1)  # rows :func:`qmm` takes, where the layer fits it
 # A call of our kernels costs the host more than one of MLX's, and where a step waits on the host that
 # outweighs their faster products: on an H100, routing the 0.5B shape's 8 and 16 rows through qmm
@@ -346,7 +353,7 @@ def product(layer, x: mx.array) -> mx.array:
     q = (layer["weight"], layer["scales"], layer.get("biases"))
     size = q[0].nbytes
     ours = (rows - 1) * size >= KERNEL_BYTES and x.dtype == layer.scales.dtype
-    if ours and rows in MMA_ROWS and size >= MMA_BYTES and fits_mma(layer):
+    if ours and rows in MMA_ROWS and size >= MMA_BYTES and fits_mma(layer) and tensor_cores():
         out = qmm(flat, *q, layer.group_size)
     elif ours and 1 < rows < _TILED_ROWS and fits(layer):
         out = qmv(flat, *q, layer.group_size, layer.bits)
