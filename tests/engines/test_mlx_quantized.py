@@ -18,8 +18,9 @@ MLXEngine = engine_class("mlx")  # imports mlx.core after the BLAS fix
 
 def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
     """Every quantized layer is routed (the CUDA-core kernel takes 4- and 8-bit affine ones, the
-    tensor-core one 4-bit layers of half types with inputs a multiple of 64) and routing is undone exactly; products of decode batches (B, 1, k) flattened into MLX's kernels (weights too
-    small for the CUDA kernel) match the layer's own."""
+    tensor-core one 4-bit layers of half types with inputs a multiple of 64) and routing is undone
+    exactly; products of decode batches (B, 1, k) flattened into MLX's kernels (weights too small for
+    ours), and of one or two prompts, match the layer's own."""
     import mlx.core as mx
     from mlx import nn
 
@@ -45,19 +46,20 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
         layer.set_dtype(mx.bfloat16)
     assert {name for name, layer in halves.items() if mlx_quantized.fits_mma(layer)} == {"4"}
     assert mlx_quantized.install(model) == 0  # not on CUDA
-    inputs = {name: {rows: mx.random.normal((rows, 1, k), key=mx.random.key(rows)) for rows in (1, 3, 8, 12)}
+    shapes = [(1, 1), (3, 1), (8, 1), (12, 1), (1, 6), (2, 5)]  # decode batches, one prompt, two prompts
+    inputs = {name: {shape: mx.random.normal((*shape, k), key=mx.random.key(sum(shape))) for shape in shapes}
               for name, k in (("4-bit g32, bias", 64), ("mxfp4", 128))}
-    expected = {name: {rows: layers[name](x) for rows, x in xs.items()} for name, xs in inputs.items()}
+    expected = {name: {shape: layers[name](x) for shape, x in xs.items()} for name, xs in inputs.items()}
     assert mlx_quantized.route(model, True) == 5
     assert type(layers["4-bit g64"]) is mlx_quantized.DecodeQuantizedLinear
     assert type(layers["mxfp4"]) is mlx_quantized.DecodeQuantizedLinear
     assert type(layers["4-bit embedding"]) is mlx_quantized.DecodeQuantizedEmbedding
     assert type(layers["float"]) is nn.Linear
     for name, xs in inputs.items():
-        for rows, x in xs.items():
-            got, want = layers[name](x), expected[name][rows]
+        for shape, x in xs.items():
+            got, want = layers[name](x), expected[name][shape]
             assert got.shape == want.shape
-            assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (name, rows)
+            assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (name, shape)
     embedding = layers["4-bit embedding"]  # a tied output layer's product
     x = mx.random.normal((3, 1, 128), key=mx.random.key(7))
     assert mx.allclose(embedding.as_linear(x), nn.QuantizedEmbedding.as_linear(embedding, x), atol=1e-5).item()

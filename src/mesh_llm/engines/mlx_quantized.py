@@ -345,22 +345,22 @@ MMA_BYTES = 6 * 2**20
 
 
 def product(layer, x: mx.array) -> mx.array:
-    """``x @ dequantize(layer).T`` with the inputs' rows flattened into one matrix: MLX 0.32 takes a
-    decode batch of shape (B, 1, k) as B products of one row, each reading all the weights."""
-    k, n = x.shape[-1], layer.weight.shape[0]
+    """``x @ dequantize(layer).T`` as one product of all the rows of ``x``: MLX 0.32 takes a decode
+    batch of shape (B, 1, k) as B products of one row, each reading all the weights, so such rows are
+    flattened first (one sequence's (1, L, k) is left as it is: no extra nodes in its graph)."""
+    k = x.shape[-1]
     rows = x.size // k
-    flat = x.reshape(rows, k)
     q = (layer["weight"], layer["scales"], layer.get("biases"))
     size = q[0].nbytes
     ours = (rows - 1) * size >= KERNEL_BYTES and x.dtype == layer.scales.dtype
     if ours and rows in MMA_ROWS and size >= MMA_BYTES and fits_mma(layer) and tensor_cores():
-        out = qmm(flat, *q, layer.group_size)
-    elif ours and 1 < rows < _TILED_ROWS and fits(layer):
-        out = qmv(flat, *q, layer.group_size, layer.bits)
-    else:
-        out = mx.quantized_matmul(flat, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
-                                  mode=layer.mode)
-    return out.reshape(*x.shape[:-1], n)
+        return qmm(x, *q, layer.group_size)
+    if ours and 1 < rows < _TILED_ROWS and fits(layer):
+        return qmv(x, *q, layer.group_size, layer.bits)
+    flat = x if x.ndim < 3 or x.shape[-2] == rows else x.reshape(rows, k)
+    out = mx.quantized_matmul(flat, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
+                              mode=layer.mode)
+    return out if flat is x else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
