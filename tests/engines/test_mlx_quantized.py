@@ -63,7 +63,10 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
     embedding = layers["4-bit embedding"]  # a tied output layer's product
     x = mx.random.normal((3, 1, 128), key=mx.random.key(7))
     assert mx.allclose(embedding.as_linear(x), nn.QuantizedEmbedding.as_linear(embedding, x), atol=1e-5).item()
+    assert layers["4-bit g64"].takes_qmv and not layers["mxfp4"].takes_qmv
+    assert not any(layer.takes_mma for layer in layers.values() if hasattr(layer, "takes_mma"))  # no CUDA
     assert mlx_quantized.route(model, False) == 5
+    assert not any(hasattr(layer, "takes_mma") or hasattr(layer, "takes_qmv") for layer in layers.values())
     assert {type(layer).__name__ for layer in layers.values()} == {"QuantizedLinear", "QuantizedEmbedding",
                                                                     "Linear"}
 

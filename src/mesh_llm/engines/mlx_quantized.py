@@ -353,9 +353,9 @@ def product(layer, x: mx.array) -> mx.array:
     q = (layer["weight"], layer["scales"], layer.get("biases"))
     size = q[0].nbytes
     ours = (rows - 1) * size >= KERNEL_BYTES and x.dtype == layer.scales.dtype
-    if ours and rows in MMA_ROWS and size >= MMA_BYTES and fits_mma(layer) and tensor_cores():
+    if ours and rows in MMA_ROWS and size >= MMA_BYTES and layer.takes_mma:
         return qmm(x, *q, layer.group_size)
-    if ours and 1 < rows < _TILED_ROWS and fits(layer):
+    if ours and 1 < rows < _TILED_ROWS and layer.takes_qmv:
         return qmv(x, *q, layer.group_size, layer.bits)
     flat = x if x.ndim < 3 or x.shape[-2] == rows else x.reshape(rows, k)
     out = mx.quantized_matmul(flat, *q, transpose=True, group_size=layer.group_size, bits=layer.bits,
@@ -390,11 +390,16 @@ def install(model: nn.Module) -> int:
 
 
 def route(model: nn.Module, on: bool) -> int:
-    """Set each quantized layer's class to its routed class (``on``) or back; returns how many."""
+    """Set each quantized layer's class to its routed class (``on``), with which of our kernels fit
+    it worked out once (the host's time a product counts), or back; returns how many."""
     routed = 0
     for _, module in model.named_modules():
         for plain, decode in _ROUTES.items():
             if type(module) is (plain if on else decode):
                 module.__class__ = decode if on else plain
+                if on:
+                    module.takes_mma, module.takes_qmv = fits_mma(module) and tensor_cores(), fits(module)
+                else:
+                    del module.takes_mma, module.takes_qmv
                 routed += 1
     return routed
