@@ -12,7 +12,7 @@ tiled kernel needs a group as wide as the input), multiplies quantized weights (
   step of 8 rows spent 11.7 ms in it, where a 16-bit step's products take about 5.5;
 - by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row.
 
-:func:`product` flattens the rows first and picks the kernel. :func:`qmm` (tensor cores, 4-bit
+:func:`product` makes a decode batch's rows one product and picks the kernel. :func:`qmm` (tensor cores, 4-bit
 weights, float16 or bfloat16 rows, 1-16 of them) dequantizes each warp's 16 output rows into
 registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.7-2.5 TB/s on the 7B's
 gate/up and output-layer products at 1-8 rows, 0.7 on its down product (42, 130 and 55 us for 8
@@ -325,17 +325,17 @@ def fits_mma(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
         layer.weight.shape[-1] * 8 % 64 == 0)
 
 
-_TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
 @functools.cache
 def tensor_cores() -> bool:
     """This GPU runs :func:`qmm`: ``mma.sync`` m16n8k16 on half types, from compute capability 8.0."""
     return mx.device_info().get("compute_capability_major", 0) >= 8
 
 
+_TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
 MMA_ROWS = range(2, _MMA_ROWS + 1)  # rows :func:`qmm` takes, where the layer fits it
 # A call of our kernels costs the host more than one of MLX's, and where a step waits on the host that
 # outweighs their faster products: on an H100, routing the 0.5B shape's 8 and 16 rows through qmm
-# made its steps 8.98-10.06 ms against 4.86-7.53, though their products took 2.90-3.25 ms of GPU
+# made its steps 8.98-10.73 ms against 4.86-7.53, though the steps took 2.90-3.48 ms of GPU
 # against 4.50-4.71. So they take only weights large enough: 2-7 rows where (rows - 1) x the weights'
 # bytes reach KERNEL_BYTES (MLX reads them once per row there), and qmm only weights of MMA_BYTES or
 # more, which are the 7B's products (its q/k/v and gate/up fused, o, down, output layer) and of the
