@@ -12,12 +12,12 @@ tiled kernel needs a group as wide as the input), multiplies quantized weights (
   step of 8 rows spent 11.7 ms in it, where a 16-bit step's products take about 5.5;
 - by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row.
 
-:func:`product` makes a decode batch's rows one product and picks the kernel. :func:`qmm` (tensor cores, 4-bit
-weights, float16 or bfloat16 rows, 1-16 of them) dequantizes each warp's 16 output rows into
-registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.7-2.5 TB/s on the 7B's
-gate/up and output-layer products at 1-8 rows, 0.7 on its down product (42, 130 and 55 us for 8
-rows). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what qmm does not: each
-warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
+:func:`product` makes a decode batch's rows one product and picks the kernel. :func:`qmm`
+(tensor cores, 4-bit weights, float16 or bfloat16 rows, 1-16 of them) dequantizes each warp's 16
+output rows into registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.7-2.5
+TB/s on the 7B's gate/up and output-layer products at 1-8 rows, 0.7 on its down product (42, 130
+and 55 us for 8 rows). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what
+qmm does not: each warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
 ``scale * dot(x, q) + bias * sum(x)``. Both are written against no header, compiled once per shape
 and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode
 attention is. A call of either costs the host more than one of MLX's own, which is why one row, and
@@ -174,10 +174,17 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
         dtype = str(x.dtype).rsplit(".", 1)[-1]
         name = f"mesh_llm_qmv{bits}_{dtype}_m{rows}_r{per_warp}_g{group_size}_u{unroll}"
         _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, dtype, *shape[1:]))
-    name, binary = _binaries[shape]
-    blocks = -(-n // (per_warp * _WARPS))
+    return _launch(_binaries[shape], x, (w, scales, biases), [n, k], -(-n // (per_warp * _WARPS)))
+
+
+def _launch(binary: tuple[str, bytes], x: mx.array, q: tuple, scalars: list[int], blocks: int) -> mx.array:
+    """One product kernel of ours over ``x``'s rows as one matrix: ``blocks`` blocks of ``_WARPS``
+    warps; returns (..., n) in ``x``'s dtype."""
+    k, n = x.shape[-1], q[0].shape[0]
+    rows = x.size // k
+    name, cubin = binary
     (out,) = mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k],
+        name=name, compiled_source=cubin, inputs=[x.reshape(rows, k), *q], scalars=scalars,
         grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
     return out.reshape(*x.shape[:-1], n)
@@ -251,7 +258,8 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
             for (int j = 0; j < NT; ++j)
                 #pragma unroll
                 for (int q = 0; q < 4; ++q)
-                    mma(acc[i][j], a[0][2 * q], a[1][2 * q], a[0][2 * q + 1], a[1][2 * q + 1], b[j][2 * q], b[j][2 * q + 1]);
+                    mma(acc[i][j], a[0][2 * q], a[1][2 * q], a[0][2 * q + 1], a[1][2 * q + 1],
+                        b[j][2 * q], b[j][2 * q + 1]);
         }
     }
     #pragma unroll
@@ -280,7 +288,6 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
 # for v), -2^e and 1 in both halves.
 _MMA_TYPES = {"float16": ('"f16x2"', '"f16"', "0x64006400u", "0xe400e400u", "0x3c003c00u"),
               "bfloat16": ('"bf16x2"', '"bf16"', "0x43004300u", "0xc300c300u", "0x3f803f80u")}
-_MMA_ROWS = 16  # the most rows :func:`qmm` takes (two tiles of 8)
 
 
 def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: int, unroll: int = 1) -> str:
@@ -302,13 +309,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
         dtype = str(x.dtype).rsplit(".", 1)[-1]
         name = f"mesh_llm_qmm4_{dtype}_n{shape[2]}_t{tiles}_g{group_size}_u{unroll}"
         _binaries[shape] = name, nvrtc.cubin(name, mma_source(name, dtype, *shape[2:]))
-    name, binary = _binaries[shape]
-    blocks = -(-n // (16 * tiles))
-    (out,) = mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=binary, inputs=[x.reshape(rows, k), w, scales, biases], scalars=[n, k, rows],
-        grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
-    return out.reshape(*x.shape[:-1], n)
+    return _launch(_binaries[shape], x, (w, scales, biases), [n, k, rows], -(-n // (16 * tiles)))
 
 
 def fits(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
@@ -332,7 +333,7 @@ def tensor_cores() -> bool:
 
 
 _TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
-MMA_ROWS = range(2, _MMA_ROWS + 1)  # rows :func:`qmm` takes, where the layer fits it
+MMA_ROWS = range(2, 17)  # rows routed to :func:`qmm` where the layer fits it (it takes 1-16: two tiles of 8)
 # A call of our kernels costs the host more than one of MLX's, and where a step waits on the host that
 # outweighs their faster products: on an H100, routing the 0.5B shape's 8 and 16 rows through qmm
 # made its steps 8.98-10.73 ms against 4.86-7.53, though the steps took 2.90-3.48 ms of GPU
