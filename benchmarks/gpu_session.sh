@@ -51,7 +51,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
 #                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
-#                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_ARGS)
+#                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_ARGS, QMV_TIMEOUT)
 #      then carry [".device/x"]  bash benchmarks/gpu_session.sh conc-q4  # 7B at 16 and 4 bits through HTTP
 #      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
 #      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread

@@ -221,7 +221,7 @@ extern "C" __global__ void NAME(const T* x, const unsigned int* w, const T* scal
         for (int j = 0; j < NT; ++j)
             #pragma unroll
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
-    #pragma unroll UNROLL
+    #pragma unroll 1
     for (int c = warp * 64; c < k; c += WARPS * 64) {
         const int at = c + 16 * t;  // the lane's 16 inputs, in one group
         unsigned int b[NT][8];  // x row g + 8 nt: the pairs (v, v + 4) of each 8 inputs
@@ -290,24 +290,23 @@ _MMA_TYPES = {"float16": ('"f16x2"', '"f16"', "0x64006400u", "0xe400e400u", "0x3
               "bfloat16": ('"bf16x2"', '"bf16"', "0x43004300u", "0xc300c300u", "0x3f803f80u")}
 
 
-def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: int, unroll: int = 1) -> str:
+def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: int) -> str:
     pair, half, magic, minus, one = _MMA_TYPES[dtype]
-    return (f"#define NT {row_tiles}\n#define TILES {tiles}\n#define GS {group_size}\n#define UNROLL {unroll}\n"
+    return (f"#define NT {row_tiles}\n#define TILES {tiles}\n#define GS {group_size}\n"
             f"#define WARPS {_WARPS}\n#define PAIR {pair}\n#define HALF {half}\n#define MAGIC {magic}\n"
             f"#define MINUS {minus}\n#define ONE {one}\n" + nvrtc.TYPES[dtype] + _MMA_SOURCE.replace("NAME", name))
 
 
-def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-        tiles: int | None = None, unroll: int = 1) -> mx.array:
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
     """``x @ dequantize(w).T`` on tensor cores for 4-bit weights ``w`` (n, k / 8), 1-16 rows of a
     float16 or bfloat16 ``x`` (..., k), k a multiple of 64; returns (..., n) in ``x``'s dtype."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
-    tiles = tiles or (2 if n >= 16 * 2 * 256 else 1)  # 256 blocks or more either way
-    shape = ("mma", x.dtype, -(-rows // 8), tiles, group_size, unroll)  # one binary for 1-8 rows, one for 9-16
+    tiles = 2 if n >= 16 * 2 * 256 else 1  # 256 blocks or more either way
+    shape = ("mma", x.dtype, -(-rows // 8), tiles, group_size)  # one binary for 1-8 rows, one for 9-16
     if shape not in _binaries:
         dtype = str(x.dtype).rsplit(".", 1)[-1]
-        name = f"mesh_llm_qmm4_{dtype}_n{shape[2]}_t{tiles}_g{group_size}_u{unroll}"
+        name = f"mesh_llm_qmm4_{dtype}_n{shape[2]}_t{tiles}_g{group_size}"
         _binaries[shape] = name, nvrtc.cubin(name, mma_source(name, dtype, *shape[2:]))
     return _launch(_binaries[shape], x, (w, scales, biases), [n, k, rows], -(-n // (16 * tiles)))
 
