@@ -5,12 +5,14 @@ in one process.
 
     python3 benchmarks/gpu_qmv.py [--shapes qwen2.5-0.5b,qwen2.5-7b] [--tokens 128] [--rounds 2]
                                   [--levels 1,2,4,8,16] [--kernels] [--skip-products]
+                                  [--product-shapes SHAPES] [--variants mlx,default,...]
 
 (1) Every weight matrix of the shapes (and the fused q/k/v and gate/up the engine makes) quantized
 to 4 bits in groups of 64, 1-16 activation rows: each method's GPU microseconds a call, read by
 PyTorch's profiler with each call evaluated alone on another copy of the matrix (nothing overlaps,
 nothing is served from L2), the quantized bytes read per second, and the largest error against a
-float32 product of the dequantized weights. (2) A random-weight model of each shape (float16) reads
+float32 product of the dequantized weights; ``qmm`` with the warps a block its rule gives, and with
+4, 8 and 16. (2) A random-weight model of each shape (float16) reads
 a 512-token prompt, then decodes ``--tokens`` greedy steps of each of ``--levels`` rows, the next
 step queued before the last is read (as the engine runs on a GPU): at 16 bits (projections fused,
 as the engine serves them), at 4 bits as mlx-lm's layers are, then fused and routed with each of
@@ -52,7 +54,8 @@ def kernel_us(fn, x, ws) -> float:
 
 METHODS = {"mlx": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=4),
            "qmv": lambda x, q: mlx_quantized.qmv(x, *q, GROUP, 4),
-           "qmm": lambda x, q: mlx_quantized.qmm(x, *q, GROUP)}
+           "qmm": lambda x, q: mlx_quantized.qmm(x, *q, GROUP),
+           **{f"qmm w{w}": lambda x, q, w=w: mlx_quantized.qmm(x, *q, GROUP, warps=w) for w in (4, 8, 16)}}
 
 
 def products(shapes: list[str]) -> list[dict]:
@@ -110,7 +113,8 @@ def profile(model, rows: int, tokens: int = 16) -> dict:
             "api_top_us": [(n, t / tokens) for n, t in found["api_top"]]}
 
 
-def models(shapes: list[str], tokens: int, rounds: int, levels: list[int], kernels: bool) -> list[dict]:
+def models(shapes: list[str], tokens: int, rounds: int, levels: list[int], kernels: bool,
+           variants: list[str]) -> list[dict]:
     out = []
 
     def record(name, rows, r, label, model):
@@ -153,8 +157,8 @@ def models(shapes: list[str], tokens: int, rounds: int, levels: list[int], kerne
         mx.eval(model.parameters())
         for rows in levels:
             for r in range(rounds):
-                for label, settings in VARIANTS.items():
-                    for attribute, value in settings.items():
+                for label in variants:
+                    for attribute, value in VARIANTS[label].items():
                         setattr(mlx_quantized, attribute, value)
                     record(name, rows, r, f"4-bit fused, {label}", model)
         del model
@@ -164,11 +168,13 @@ def models(shapes: list[str], tokens: int, rounds: int, levels: list[int], kerne
 
 def main() -> None:
     args = arguments(__doc__, ("--levels", {"default": "1,2,4,8,16", "help": "decode rows"}),
-                     ("--kernels", {"action": "store_true", "help": "profile each case's kernels (torch)"}))
+                     ("--kernels", {"action": "store_true", "help": "profile each case's kernels (torch)"}),
+                     ("--product-shapes", {"help": "the shapes whose products are timed (--shapes')"}),
+                     ("--variants", {"default": ",".join(VARIANTS), "help": "the routings whose steps are timed"}))
     shapes = args.shapes.split(",")
-    write({"products": [] if args.skip_products else products(shapes),
+    write({"products": [] if args.skip_products else products((args.product_shapes or args.shapes).split(",")),
            "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")],
-                            args.kernels)}, "qmv.json")
+                            args.kernels, args.variants.split(","))}, "qmv.json")
 
 
 if __name__ == "__main__":

@@ -177,15 +177,16 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
     return _launch(_binaries[shape], x, (w, scales, biases), [n, k], -(-n // (per_warp * _WARPS)))
 
 
-def _launch(binary: tuple[str, bytes], x: mx.array, q: tuple, scalars: list[int], blocks: int) -> mx.array:
-    """One product kernel of ours over ``x``'s rows as one matrix: ``blocks`` blocks of ``_WARPS``
+def _launch(binary: tuple[str, bytes], x: mx.array, q: tuple, scalars: list[int], blocks: int,
+            warps: int = _WARPS) -> mx.array:
+    """One product kernel of ours over ``x``'s rows as one matrix: ``blocks`` blocks of ``warps``
     warps; returns (..., n) in ``x``'s dtype."""
     k, n = x.shape[-1], q[0].shape[0]
     rows = x.size // k
     name, cubin = binary
     (out,) = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=cubin, inputs=[x.reshape(rows, k), *q], scalars=scalars,
-        grid=(blocks * 32 * _WARPS, 1, 1), threadgroup=(32 * _WARPS, 1, 1),
+        grid=(blocks * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
     return out.reshape(*x.shape[:-1], n)
 
@@ -196,7 +197,8 @@ def _launch(binary: tuple[str, bytes], x: mx.array, q: tuple, scalars: list[int]
 # x); the pairs the mma takes as neighbouring inputs are the pairs the unpacking makes, values v and
 # v + 4 of each word, and x's halves are permuted to match (a dot product is blind to the order). A
 # block's warps take turns over the inputs (64 each) for the same ``TILES`` x 16 outputs and add
-# their sums at the end, so even 3,584 outputs make 224 blocks.
+# their sums at the end, so even 3,584 outputs make 224 blocks; where blocks are that few, they
+# have more warps (:func:`mma_warps`).
 _MMA_SOURCE = """
 __device__ __forceinline__ unsigned int fma2(unsigned int a, unsigned int b, unsigned int c) {
     unsigned int d; asm("fma.rn." PAIR " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
@@ -290,25 +292,43 @@ _MMA_TYPES = {"float16": ('"f16x2"', '"f16"', "0x64006400u", "0xe400e400u", "0x3
               "bfloat16": ('"bf16x2"', '"bf16"', "0x43004300u", "0xc300c300u", "0x3f803f80u")}
 
 
-def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: int) -> str:
+def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: int, warps: int = _WARPS) -> str:
     pair, half, magic, minus, one = _MMA_TYPES[dtype]
     return (f"#define NT {row_tiles}\n#define TILES {tiles}\n#define GS {group_size}\n"
-            f"#define WARPS {_WARPS}\n#define PAIR {pair}\n#define HALF {half}\n#define MAGIC {magic}\n"
+            f"#define WARPS {warps}\n#define PAIR {pair}\n#define HALF {half}\n#define MAGIC {magic}\n"
             f"#define MINUS {minus}\n#define ONE {one}\n" + nvrtc.TYPES[dtype] + _MMA_SOURCE.replace("NAME", name))
 
 
-def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+_MMA_IN_FLIGHT = 2048  # warps a product should keep busy: 16 a multiprocessor of an H100 (132)
+
+
+def mma_warps(blocks: int, k: int) -> int:
+    """A block's warps for :func:`qmm`: 4, doubled up to 16 while the product's warps are fewer than
+    ``_MMA_IN_FLIGHT`` and each still takes 4 or more of the inputs' 64-wide steps. With 4, the 7B's
+    down product (224 blocks) read its weights at 0.7 TB/s against 1.7-2.5 for the wide products:
+    a warp or two a multiprocessor, each waiting on memory (H100, benchmarks/results/h100-20261205/qmm/)."""
+    warps = _WARPS
+    while warps < 16 and blocks * warps < _MMA_IN_FLIGHT and k // 64 >= 4 * 2 * warps:
+        warps *= 2
+    return warps
+
+
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+        warps: int | None = None) -> mx.array:
     """``x @ dequantize(w).T`` on tensor cores for 4-bit weights ``w`` (n, k / 8), 1-16 rows of a
-    float16 or bfloat16 ``x`` (..., k), k a multiple of 64; returns (..., n) in ``x``'s dtype."""
+    float16 or bfloat16 ``x`` (..., k), k a multiple of 64; returns (..., n) in ``x``'s dtype.
+    ``warps`` (a block's) is for benchmarks/gpu_qmv.py to compare."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     tiles = 2 if n >= 16 * 2 * 256 else 1  # 256 blocks or more either way
-    shape = ("mma", x.dtype, -(-rows // 8), tiles, group_size)  # one binary for 1-8 rows, one for 9-16
+    blocks = -(-n // (16 * tiles))
+    warps = warps or mma_warps(blocks, k)
+    shape = ("mma", x.dtype, -(-rows // 8), tiles, group_size, warps)  # one binary for 1-8 rows, one for 9-16
     if shape not in _binaries:
         dtype = str(x.dtype).rsplit(".", 1)[-1]
-        name = f"mesh_llm_qmm4_{dtype}_n{shape[2]}_t{tiles}_g{group_size}"
+        name = f"mesh_llm_qmm4_{dtype}_n{shape[2]}_t{tiles}_g{group_size}_w{warps}"
         _binaries[shape] = name, nvrtc.cubin(name, mma_source(name, dtype, *shape[2:]))
-    return _launch(_binaries[shape], x, (w, scales, biases), [n, k, rows], -(-n // (16 * tiles)))
+    return _launch(_binaries[shape], x, (w, scales, biases), [n, k, rows], blocks, warps)
 
 
 def fits(layer: nn.QuantizedLinear | nn.QuantizedEmbedding) -> bool:
