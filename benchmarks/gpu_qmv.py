@@ -94,14 +94,18 @@ def products(shapes: list[str]) -> list[dict]:
 
 # The engine's routed 4-bit products (rows flattened), each way of choosing the kernel: MLX's alone;
 # the engine's default; every 2-8-row product through qmv (CUDA cores); every 2-16-row, or 1-16-row,
-# product through qmm (tensor cores). Settings of engines/mlx_quantized.py.
-ALL = dict(KERNEL_BYTES=0, MMA_BYTES=0)
-VARIANTS = {"mlx": dict(KERNEL_BYTES=1 << 62, _TILED_ROWS=8, MMA_ROWS=()),
-            "default": dict(KERNEL_BYTES=mlx_quantized.KERNEL_BYTES, MMA_BYTES=mlx_quantized.MMA_BYTES,
-                            _TILED_ROWS=8, MMA_ROWS=mlx_quantized.MMA_ROWS),
-            "qmv 2-8": dict(ALL, _TILED_ROWS=9, MMA_ROWS=()),
-            "qmm 2-16": dict(ALL, _TILED_ROWS=8, MMA_ROWS=range(2, 17)),
-            "qmm 1-16": dict(ALL, _TILED_ROWS=8, MMA_ROWS=range(1, 17))}
+# product through qmm (tensor cores); the default with one row through qmm for weights of 24 MB and
+# more (the 7B's gate/up, down and output layer). Settings of engines/mlx_quantized.py.
+DEFAULT = {name: getattr(mlx_quantized, name)
+           for name in ("KERNEL_BYTES", "MMA_BYTES", "ONE_ROW_BYTES", "_TILED_ROWS", "MMA_ROWS")}
+NEVER = 1 << 62
+ALL = dict(DEFAULT, KERNEL_BYTES=0, MMA_BYTES=0)
+VARIANTS = {"mlx": dict(DEFAULT, KERNEL_BYTES=NEVER, ONE_ROW_BYTES=NEVER, MMA_ROWS=()),
+            "default": DEFAULT,
+            "qmv-2-8": dict(ALL, _TILED_ROWS=9, MMA_ROWS=()),
+            "qmm-2-16": dict(ALL, MMA_ROWS=range(2, 17)),
+            "qmm-1-16": dict(ALL, ONE_ROW_BYTES=0),
+            "qmm-1-big": dict(DEFAULT, ONE_ROW_BYTES=24 * 2**20)}
 
 
 def profile(model, rows: int, tokens: int = 16) -> dict:

@@ -352,7 +352,7 @@ def tensor_cores() -> bool:
 
 
 _TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
-MMA_ROWS = range(2, 17)  # rows routed to :func:`qmm` where the layer fits it (it takes 1-16: two tiles of 8)
+MMA_ROWS = range(1, 17)  # rows routed to :func:`qmm` where the layer fits it (two tiles of 8)
 # A call of our kernels costs the host more than one of MLX's, and where a step waits on the host that
 # outweighs their faster products: on an H100, routing the 0.5B shape's 8 and 16 rows through qmm
 # made its steps 8.98-10.73 ms against 4.86-7.53, though the steps took 2.90-3.48 ms of GPU
@@ -362,6 +362,10 @@ MMA_ROWS = range(2, 17)  # rows routed to :func:`qmm` where the layer fits it (i
 # 0.5B's only its output layer (benchmarks/results/h100-20261205/qmm/).
 KERNEL_BYTES = 16 * 2**20
 MMA_BYTES = 6 * 2**20
+# One row: MLX's vector kernel reads the 7B's weights at ~970 GB/s, and qmm took its step's GPU time
+# from 5.6 to 4.6 ms, but added 1.6 ms of the host's on that H100, so one row is MLX's unless a
+# weight reaches this size (never, until measured on a quicker host: benchmarks/gpu_qmv.py qmm-1-big).
+ONE_ROW_BYTES = 1 << 62
 
 
 def product(layer, x: mx.array) -> mx.array:
@@ -372,7 +376,8 @@ def product(layer, x: mx.array) -> mx.array:
     rows = x.size // k
     q = (layer["weight"], layer["scales"], layer.get("biases"))
     size = q[0].nbytes
-    ours = (rows - 1) * size >= KERNEL_BYTES and x.dtype == layer.scales.dtype
+    enough = size >= ONE_ROW_BYTES if rows == 1 else (rows - 1) * size >= KERNEL_BYTES
+    ours = enough and x.dtype == layer.scales.dtype
     if ours and rows in MMA_ROWS and size >= MMA_BYTES and layer.takes_mma:
         return qmm(x, *q, layer.group_size)
     if ours and 1 < rows < _TILED_ROWS and layer.takes_qmv:
