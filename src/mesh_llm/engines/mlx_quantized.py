@@ -299,16 +299,18 @@ def mma_source(name: str, dtype: str, row_tiles: int, tiles: int, group_size: in
             f"#define MINUS {minus}\n#define ONE {one}\n" + nvrtc.TYPES[dtype] + _MMA_SOURCE.replace("NAME", name))
 
 
-_MMA_IN_FLIGHT = 2048  # warps a product should keep busy: 16 a multiprocessor of an H100 (132)
+_MMA_IN_FLIGHT = 8192  # warps a product should have: about 62 a multiprocessor of an H100 (132)
 
 
 def mma_warps(blocks: int, k: int) -> int:
     """A block's warps for :func:`qmm`: 4, doubled up to 16 while the product's warps are fewer than
-    ``_MMA_IN_FLIGHT`` and each still takes 4 or more of the inputs' 64-wide steps. With 4, the 7B's
+    ``_MMA_IN_FLIGHT`` and each still takes 2 or more of the inputs' 64-wide steps. With 4, the 7B's
     down product (224 blocks) read its weights at 0.7 TB/s against 1.7-2.5 for the wide products:
-    a warp or two a multiprocessor, each waiting on memory (H100, benchmarks/results/h100-20261205/qmm/)."""
+    a warp or two a multiprocessor, each waiting on memory. With this rule, 1.6 TB/s; the 7B's q/k/v
+    and o products (288 and 224 blocks) take 16 too, its gate/up 8, its output layer 4 (the fastest
+    of 4, 8 and 16 for each on an H100: benchmarks/results/h100-20261205/warps/)."""
     warps = _WARPS
-    while warps < 16 and blocks * warps < _MMA_IN_FLIGHT and k // 64 >= 4 * 2 * warps:
+    while warps < 16 and blocks * warps < _MMA_IN_FLIGHT and k // 64 >= 4 * warps:
         warps *= 2
     return warps
 
