@@ -12,7 +12,7 @@ to 4 bits in groups of 64, 1-16 activation rows: each method's GPU microseconds 
 PyTorch's profiler with each call evaluated alone on another copy of the matrix (nothing overlaps,
 nothing is served from L2), the quantized bytes read per second, and the largest error against a
 float32 product of the dequantized weights; ``qmm`` with the warps a block its rule gives, and with
-4, 8 and 16. (2) A random-weight model of each shape (float16) reads
+4, 8 and 16; and for a prompt's 64-640 rows, MLX's product against the dequantized weights'. (2) A random-weight model of each shape (float16) reads
 a 512-token prompt, then decodes ``--tokens`` greedy steps of each of ``--levels`` rows, the next
 step queued before the last is read (as the engine runs on a GPU): at 16 bits (projections fused,
 as the engine serves them), at 4 bits as mlx-lm's layers are, then fused and routed with each of
@@ -55,7 +55,9 @@ def kernel_us(fn, x, ws) -> float:
 METHODS = {"mlx": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_size=GROUP, bits=4),
            "qmv": lambda x, q: mlx_quantized.qmv(x, *q, GROUP, 4),
            "qmm": lambda x, q: mlx_quantized.qmm(x, *q, GROUP),
-           **{f"qmm w{w}": lambda x, q, w=w: mlx_quantized.qmm(x, *q, GROUP, warps=w) for w in (4, 8, 16)}}
+           **{f"qmm w{w}": lambda x, q, w=w: mlx_quantized.qmm(x, *q, GROUP, warps=w) for w in (4, 8, 16)},
+           "dequantized": lambda x, q: x @ mx.dequantize(*q, GROUP, 4).T}
+PROMPT_ROWS = (64, 256, 640)  # a prompt's chunk: MLX's product against the dequantized weights'
 
 
 def products(shapes: list[str]) -> list[dict]:
@@ -72,13 +74,14 @@ def products(shapes: list[str]) -> list[dict]:
                 w = mx.random.normal((n, k), key=mx.random.key(c)).astype(mx.float16) * k ** -0.5
                 ws.append(mx.quantize(w, GROUP, 4))
                 mx.eval(ws[-1])
-            for rows in (1, 2, 4, 8, 16):
+            for rows in (1, 2, 4, 8, 16, *PROMPT_ROWS):
                 x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(mx.float16)
                 reference = x.astype(mx.float32) @ mx.dequantize(*ws[0], GROUP, 4).astype(mx.float32).T
                 row = {"shape": name, "matrix": label, "n": n, "k": k, "rows": rows,
                        "scale": mx.max(mx.abs(reference)).item()}
                 for method, fn in METHODS.items():
-                    if method == "qmv" and rows > 8:
+                    if (method == "qmv" and rows > 8 or rows in PROMPT_ROWS and method not in ("mlx", "dequantized")
+                            or method == "dequantized" and rows not in PROMPT_ROWS):
                         continue
                     row[f"{method}_err"] = mx.max(mx.abs(fn(x, ws[0]).astype(mx.float32) - reference)).item()
                     row[f"{method}_us"] = us = kernel_us(fn, x, ws)
