@@ -179,16 +179,14 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
 
 def _launch(binary: tuple[str, bytes], x: mx.array, q: tuple, scalars: list[int], blocks: int,
             warps: int = _WARPS) -> mx.array:
-    """One product kernel of ours over ``x``'s rows as one matrix: ``blocks`` blocks of ``warps``
-    warps; returns (..., n) in ``x``'s dtype."""
-    k, n = x.shape[-1], q[0].shape[0]
-    rows = x.size // k
+    """One product kernel of ours over ``x``'s rows as one matrix (the kernel sees only pointers, so
+    no reshape, which would be a node more to build): ``blocks`` blocks of ``warps`` warps; returns
+    (..., n) in ``x``'s dtype."""
     name, cubin = binary
-    (out,) = mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=cubin, inputs=[x.reshape(rows, k), *q], scalars=scalars,
+    return mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=cubin, inputs=[x, *q], scalars=scalars,
         grid=(blocks * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(rows, n)], output_dtypes=[x.dtype], ensure_row_contiguous=True)
-    return out.reshape(*x.shape[:-1], n)
+        output_shapes=[(*x.shape[:-1], q[0].shape[0])], output_dtypes=[x.dtype], ensure_row_contiguous=True)[0]
 
 
 # The same product on tensor cores, for 4-bit weights and float16 or bfloat16 rows (1-16): each warp
