@@ -5,7 +5,8 @@ in one process.
 
     python3 benchmarks/gpu_qmv.py [--shapes qwen2.5-0.5b,qwen2.5-7b] [--tokens 128] [--rounds 2]
                                   [--levels 1,2,4,8,16] [--kernels] [--skip-products]
-                                  [--product-shapes SHAPES] [--variants mlx,default,...]
+                                  [--product-shapes SHAPES] [--product-rows 1,2,4,8,16,64,256,640]
+                                  [--variants mlx,default,...]
 
 (1) Every weight matrix of the shapes (and the fused q/k/v and gate/up the engine makes) quantized
 to 4 bits in groups of 64, 1-16 activation rows: each method's GPU microseconds a call, read by
@@ -60,7 +61,7 @@ METHODS = {"mlx": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_
 PROMPT_ROWS = (64, 256, 640)  # a prompt's chunk: MLX's product against the dequantized weights'
 
 
-def products(shapes: list[str]) -> list[dict]:
+def products(shapes: list[str], counts: list[int]) -> list[dict]:
     rows_out = []
     for name in shapes:
         found = matrices(SHAPES[name])
@@ -74,7 +75,7 @@ def products(shapes: list[str]) -> list[dict]:
                 w = mx.random.normal((n, k), key=mx.random.key(c)).astype(mx.float16) * k ** -0.5
                 ws.append(mx.quantize(w, GROUP, 4))
                 mx.eval(ws[-1])
-            for rows in (1, 2, 4, 8, 16, *PROMPT_ROWS):
+            for rows in counts:
                 x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(mx.float16)
                 reference = x.astype(mx.float32) @ mx.dequantize(*ws[0], GROUP, 4).astype(mx.float32).T
                 row = {"shape": name, "matrix": label, "n": n, "k": k, "rows": rows,
@@ -177,9 +178,11 @@ def main() -> None:
     args = arguments(__doc__, ("--levels", {"default": "1,2,4,8,16", "help": "decode rows"}),
                      ("--kernels", {"action": "store_true", "help": "profile each case's kernels (torch)"}),
                      ("--product-shapes", {"help": "the shapes whose products are timed (--shapes')"}),
+                     ("--product-rows", {"default": "1,2,4,8,16,64,256,640", "help": "their rows"}),
                      ("--variants", {"default": ",".join(VARIANTS), "help": "the routings whose steps are timed"}))
     shapes = args.shapes.split(",")
-    write({"products": [] if args.skip_products else products((args.product_shapes or args.shapes).split(",")),
+    write({"products": [] if args.skip_products else products(
+               (args.product_shapes or args.shapes).split(","), [int(n) for n in args.product_rows.split(",")]),
            "decode": models(shapes, args.tokens, args.rounds, [int(n) for n in args.levels.split(",")],
                             args.kernels, args.variants.split(","))}, "qmv.json")
 
