@@ -58,7 +58,11 @@ METHODS = {"mlx": lambda x, q: mx.quantized_matmul(x, *q, transpose=True, group_
            "qmm": lambda x, q: mlx_quantized.qmm(x, *q, GROUP),
            **{f"qmm w{w}": lambda x, q, w=w: mlx_quantized.qmm(x, *q, GROUP, warps=w) for w in (4, 8, 16)},
            "dequantized": lambda x, q: x @ mx.dequantize(*q, GROUP, 4).T}
-PROMPT_ROWS = (64, 256, 640)  # a prompt's chunk: MLX's product against the dequantized weights'
+
+
+def takes(method: str, rows: int) -> bool:
+    """Rows a method is timed at: qmv's 1-8, qmm's 1-16, the dequantized weights' a prompt's chunk."""
+    return {"mlx": True, "qmv": rows <= 8, "dequantized": rows > 16}.get(method, rows <= 16)
 
 
 def products(shapes: list[str], counts: list[int]) -> list[dict]:
@@ -81,8 +85,7 @@ def products(shapes: list[str], counts: list[int]) -> list[dict]:
                 row = {"shape": name, "matrix": label, "n": n, "k": k, "rows": rows,
                        "scale": mx.max(mx.abs(reference)).item()}
                 for method, fn in METHODS.items():
-                    if (method == "qmv" and rows > 8 or rows in PROMPT_ROWS and method not in ("mlx", "dequantized")
-                            or method == "dequantized" and rows not in PROMPT_ROWS):
+                    if not takes(method, rows):
                         continue
                     row[f"{method}_err"] = mx.max(mx.abs(fn(x, ws[0]).astype(mx.float32) - reference)).item()
                     row[f"{method}_us"] = us = kernel_us(fn, x, ws)
