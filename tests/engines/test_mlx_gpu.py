@@ -327,9 +327,10 @@ def test_the_tensor_core_product_matches_the_dequantized_weights(rows, n, k, gro
 
 def test_a_4bit_model_decodes_as_with_mlxs_quantized_products(checkpoints, monkeypatch):
     """`--quantize 4` on a GPU routes quantized layers through engines/mlx_quantized.py: a batch of 3
-    decoded for 12 steps with mlx-lm's layers, then the same tokens fed with the layers routed (every
-    product of its 3 rows through our kernels, whatever its size: the tensor-core one for 4-bit half
-    weights), gives logits within 2% of their size, and
+    decoded for 12 steps with mlx-lm's layers, then the same tokens fed with the layers routed (the
+    prompts' products through the dequantized weights, every product of 3 rows through our kernels,
+    whatever its size: the tensor-core one for 4-bit half weights), gives logits within 2% of their
+    size, and
     the same greedy token wherever the top two are farther apart than the two runs."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -344,6 +345,7 @@ def test_a_4bit_model_decodes_as_with_mlxs_quantized_products(checkpoints, monke
     assert "quantized_decode" in details, details
     monkeypatch.setattr(mlx_quantized, "KERNEL_BYTES", 0)
     monkeypatch.setattr(mlx_quantized, "MMA_BYTES", 0)
+    monkeypatch.setattr(mlx_quantized, "DEQUANTIZED_ROWS", 64)  # the prompts' 3 x 40 rows: dequantized
     prompt = mx.array([[(7 * i + r) % 100 + 3 for i in range(40)] for r in range(3)])
     tokens, runs = [], []
     for on in (False, True):

@@ -20,7 +20,8 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
     """Every quantized layer is routed (the CUDA-core kernel takes 4- and 8-bit affine ones, the
     tensor-core one 4-bit layers of half types with inputs a multiple of 64) and routing is undone
     exactly; products of decode batches (B, 1, k) flattened into MLX's kernels (weights too small for
-    ours), and of one or two prompts, match the layer's own."""
+    ours), of one or two prompts, and of prompt chunks of ``DEQUANTIZED_ROWS`` rows or more (through
+    the dequantized weights), match the layer's own."""
     import mlx.core as mx
     from mlx import nn
 
@@ -46,7 +47,8 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
         layer.set_dtype(mx.bfloat16)
     assert {name for name, layer in halves.items() if mlx_quantized.fits_mma(layer)} == {"4"}
     assert mlx_quantized.install(model) == 0  # not on CUDA
-    shapes = [(1, 1), (3, 1), (8, 1), (12, 1), (1, 6), (2, 5)]  # decode batches, one prompt, two prompts
+    assert mlx_quantized.DEQUANTIZED_ROWS in range(7, 300)
+    shapes = [(1, 1), (3, 1), (8, 1), (12, 1), (1, 6), (2, 5), (1, 300), (2, 150)]  # decode batches, prompts
     inputs = {name: {shape: mx.random.normal((*shape, k), key=mx.random.key(sum(shape))) for shape in shapes}
               for name, k in (("4-bit g32, bias", 64), ("mxfp4", 128))}
     expected = {name: {shape: layers[name](x) for shape, x in xs.items()} for name, xs in inputs.items()}
