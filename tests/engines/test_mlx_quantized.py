@@ -107,3 +107,38 @@ def test_a_pre_quantized_folder_loads_and_predicts_as_its_source(tmp_path, defau
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_prompt_read_through_dequantized_weights_holds_about_one_layers_at_a_time():
+    """A prompt's chunk of ``DEQUANTIZED_ROWS`` rows or more is multiplied by dequantized weights;
+    each layer's are made only once its input is ready, so the peak memory of reading it does not
+    grow with the model's depth (MLX would otherwise dequantize layers ahead: without that order, 16
+    more layers held 3 more layers' weights on this CPU)."""
+    import mlx.core as mx
+    from mlx import nn
+    from mlx_lm.models import qwen2
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mesh_llm.engines import mlx_quantized
+
+    def peak(layers: int) -> int:
+        args = qwen2.ModelArgs(model_type="qwen2", hidden_size=512, num_hidden_layers=layers,
+                               intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
+                               rms_norm_eps=1e-6, vocab_size=1000, rope_theta=1e6, tie_word_embeddings=False)
+        model = qwen2.Model(args)
+        nn.quantize(model, 64, 4)
+        mx.eval(model.parameters())
+        mlx_quantized.route(model, True)  # (MLX's own CPU kernel would take half a minute here)
+        cache = make_prompt_cache(model)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        model(mx.array([list(range(mlx_quantized.DEQUANTIZED_ROWS + 44))]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return mx.get_peak_memory() - base
+
+    layer = 4 * (2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 2048)  # one layer's weights as float32
+    kv = 2 * 4 * 128 * (mlx_quantized.DEQUANTIZED_ROWS + 44)  # a layer's keys and values
+    shallow, deep = peak(8), peak(24)
+    assert deep - shallow < 16 * kv + layer / 2, (shallow, deep, kv, layer)
+    assert shallow < 3 * layer, (shallow, layer)  # all 8 layers would be 8

@@ -1,5 +1,5 @@
-"""Products of quantized weights on CUDA as a decode step makes them: MLX's kernels where they are
-fast enough, mesh-llm's own where MLX's read the weights once per row or leave the GPU idle.
+"""Products of quantized weights on CUDA as a decode step and a prompt make them: MLX's kernels where
+they are fast enough, mesh-llm's own where MLX's read the weights once per row or leave the GPU idle.
 
 MLX 0.32's CUDA backend, with groups narrower than a row (every mlx-lm quantization; its Hopper
 tiled kernel needs a group as wide as the input), multiplies quantized weights (read in its source,
@@ -9,19 +9,21 @@ tiled kernel needs a group as wide as the input), multiplies quantized weights (
   4-bit 7B's 37,888 x 3,584 gate/up product: 77 / 150 / 295 us for 1 / 2 / 4 rows);
 - by 8 rows and more with its Ampere tiled kernel (16 x 128 tiles), which reads them once but keeps
   few multiprocessors busy: 73 us for 8 rows, the 7B's down product 243 us (157 GB/s); a 4-bit 7B
-  step of 8 rows spent 11.7 ms in it, where a 16-bit step's products take about 5.5;
+  step of 8 rows spent 11.7 ms in it, where a 16-bit step's products take about 5.5; a 7B layer's
+  products at a prompt's 640 rows 2.5 ms, against 0.9 through the dequantized weights;
 - by a decode batch shaped (B, 1, k), as mlx-lm's layers pass it, as B products of one row.
 
 :func:`product` makes a decode batch's rows one product and picks the kernel. :func:`qmm`
 (tensor cores, 4-bit weights, float16 or bfloat16 rows, 1-16 of them) dequantizes each warp's 16
-output rows into registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.7-2.5
-TB/s on the 7B's gate/up and output-layer products at 1-8 rows, 0.7 on its down product (42, 130
-and 55 us for 8 rows). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what
-qmm does not: each warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
+output rows into registers and multiplies them by up to 16 input rows with ``mma.sync``: 1.6-2.4
+TB/s on the 7B's gate/up, down and output-layer products at 1-8 rows (38, 24 and 130 us for 8
+rows). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what qmm does not:
+each warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
 ``scale * dot(x, q) + bias * sum(x)``. Both are written against no header, compiled once per shape
 and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode
 attention is. A call of either costs the host more than one of MLX's own, which is why one row, and
-small weights, stay MLX's. :func:`install` routes a model's ``QuantizedLinear`` and
+small weights, stay MLX's. A prompt's chunk of ``DEQUANTIZED_ROWS`` or more goes through the
+dequantized weights and a 16-bit product. :func:`install` routes a model's ``QuantizedLinear`` and
 ``QuantizedEmbedding`` layers through :func:`product` on CUDA; ``MESH_LLM_QUANTIZED_DECODE=0``
 leaves them as they are.
 """
@@ -371,7 +373,9 @@ ONE_ROW_BYTES = 1 << 62
 # dequantized (one layer's at a time, freed after its product) and multiplied as 16-bit ones are:
 # a 7B layer's products at 64 / 256 / 640 rows took 0.69 / 0.97 / 2.51 ms through MLX's kernels,
 # 0.68 / 0.71 / 0.91 so, and the 4-bit TTFT came to 1.3x the 16-bit one
-# (benchmarks/results/h100-20261205/prompt-rows/, conc-dequantized/).
+# (benchmarks/results/h100-20261205/prompt-rows/, conc-dequantized/)). Each layer's are made
+# only once its input is ready, so a prompt holds about one layer's at a time (tests/engines/
+# test_mlx_quantized.py; that order came after the H100's runs).
 DEQUANTIZED_ROWS = 256
 
 
@@ -383,7 +387,8 @@ def product(layer, x: mx.array) -> mx.array:
     rows = x.size // k
     q = (layer["weight"], layer["scales"], layer.get("biases"))
     if rows >= DEQUANTIZED_ROWS:
-        return x @ mx.dequantize(*q, group_size=layer.group_size, bits=layer.bits, mode=layer.mode).T
+        w = mx.depends(q[0], x)  # not before x: MLX would dequantize layers ahead, holding them all
+        return x @ mx.dequantize(w, *q[1:], group_size=layer.group_size, bits=layer.bits, mode=layer.mode).T
     size = q[0].nbytes
     enough = size >= ONE_ROW_BYTES if rows == 1 else (rows - 1) * size >= KERNEL_BYTES
     ours = enough and x.dtype == layer.scales.dtype
