@@ -370,12 +370,11 @@ MMA_BYTES = 6 * 2**20
 ONE_ROW_BYTES = 1 << 62
 # A prompt's chunk: MLX's tiled kernel made a 4-bit 7B's 640-token prompt take twice the 16-bit one's
 # time (106 against 46 ms to the first token, H100), so from this many rows the weights are
-# dequantized (one layer's at a time, freed after its product) and multiplied as 16-bit ones are:
-# a 7B layer's products at 64 / 256 / 640 rows took 0.69 / 0.97 / 2.51 ms through MLX's kernels,
-# 0.68 / 0.71 / 0.91 so, and the 4-bit TTFT came to 1.3x the 16-bit one
-# (benchmarks/results/h100-20261205/prompt-rows/, conc-dequantized/)). Each layer's are made
-# only once its input is ready, so a prompt holds about one layer's at a time (tests/engines/
-# test_mlx_quantized.py; that order came after the H100's runs).
+# dequantized and multiplied as 16-bit ones are: a 7B layer's products at 64 / 256 / 640 rows took
+# 0.69 / 0.97 / 2.51 ms through MLX's kernels, 0.68 / 0.71 / 0.91 so, and the 4-bit TTFT came to
+# 1.3x the 16-bit one (benchmarks/results/h100-20261205/prompt-rows/, conc-dequantized/). Each
+# layer's are made only once its input is ready, so a prompt holds about one layer's at a time
+# (tests/engines/test_mlx_quantized.py; that order came after the H100's runs).
 DEQUANTIZED_ROWS = 256
 
 
