@@ -41,6 +41,7 @@
 #   build, stage, warm-check (carry .device/b), startup-ab (carry .device/elf, .device/b/extra).
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
+#      (over 64 MiB with the tree since 2026-12-05: carry [".device/v"] stash-v, then [".device/a"] stage-mlx)
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
@@ -191,8 +192,14 @@ build)
 stage)
   bash .device/a/stage.sh
   ;;
-stage-mlx)  # carry [".device/a", ".device/v"]: stage, and the 0.5B pair written in the background
-  # (.device/v: the qwen2 vocabulary and the gguf, diskcache and pyelftools wheels), no llama.cpp build
+stash-v)  # carry [".device/v"], before stage-mlx where the tree with .device/a and .device/v passes
+  # the 64 MiB a call may carry (2026-12-05): .device/v kept in /tmp for stage-mlx
+  mkdir -p /tmp/v-stash && cp .device/v/* /tmp/v-stash/
+  ;;
+stage-mlx)  # carry [".device/a", ".device/v"] (or [".device/a"] after stash-v): stage, and the 0.5B
+  # pair written in the background (.device/v: the qwen2 vocabulary and the gguf, diskcache and
+  # pyelftools wheels), no llama.cpp build
+  [ -d .device/v ] || { mkdir -p .device/v && cp /tmp/v-stash/* .device/v/; }
   bash .device/a/stage.sh
   mkdir -p /tmp/vocab "$models" && cp .device/v/ggml-vocab-qwen2.gguf /tmp/vocab/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/v/*.whl
