@@ -13,8 +13,9 @@ to 4 bits in groups of 64, 1-16 activation rows: each method's GPU microseconds 
 PyTorch's profiler with each call evaluated alone on another copy of the matrix (nothing overlaps,
 nothing is served from L2), the quantized bytes read per second, and the largest error against a
 float32 product of the dequantized weights; ``qmm`` with the warps a block its rule gives, and with
-4, 8 and 16; and for a prompt's 64-640 rows, MLX's product against the dequantized weights'. (2) A random-weight model of each shape (float16) reads
-a 512-token prompt, then decodes ``--tokens`` greedy steps of each of ``--levels`` rows, the next
+4, 8 and 16; and for a prompt's rows (over 16), MLX's product against the dequantized weights'.
+(2) A random-weight model of each shape (float16) reads a 512-token prompt, then decodes
+``--tokens`` greedy steps of each of ``--levels`` rows, the next
 step queued before the last is read (as the engine runs on a GPU): at 16 bits (projections fused,
 as the engine serves them), at 4 bits as mlx-lm's layers are, then fused and routed with each of
 ``VARIANTS``, alternated ``--rounds`` times; each step split into building, handing over and
