@@ -9,7 +9,7 @@ in one process.
                                   [--variants mlx,default,...]
 
 (1) Every weight matrix of the shapes (and the fused q/k/v and gate/up the engine makes) quantized
-to 4 bits in groups of 64, 1-16 activation rows: each method's GPU microseconds a call, read by
+to 4 bits in groups of 64, ``--product-rows`` activation rows: each method's GPU microseconds a call, read by
 PyTorch's profiler with each call evaluated alone on another copy of the matrix (nothing overlaps,
 nothing is served from L2), the quantized bytes read per second, and the largest error against a
 float32 product of the dequantized weights; ``qmm`` with the warps a block its rule gives, and with
