@@ -294,7 +294,8 @@ def load_any(path: Path, options: EngineOptions, progress=None):
         details["projections"] = f"q/k/v and gate/up as one product each ({fused} layers)"
     if routed := quantized_decode(model):  # on CUDA only
         details["quantized_decode"] = (f"decode batches as one product, 2-16 rows of large weights through "
-                                       f"mesh-llm's kernels ({routed} layers)")
+                                       f"mesh-llm's kernels, prompts through the dequantized weights "
+                                       f"({routed} layers)")
     materialize(model, path, progress)
     ctx = options.ctx_size or text_config(config).get("max_position_embeddings") or DEFAULT_CONTEXT
     return model, config, tokenizer, fmt, details, int(ctx)
