@@ -54,6 +54,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
 #                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_ARGS, QMV_TIMEOUT)
 #      then carry [".device/x"]  bash benchmarks/gpu_session.sh conc-q4  # 7B at 16 and 4 bits through HTTP
+#      then carry []               bash benchmarks/gpu_session.sh server-ttft  # what the server adds to TTFT, both shapes
 #      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
 #      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
@@ -577,6 +578,19 @@ conc-q4)  # carry [".device/x"] (the server's llguidance), after qmv: the 7B sha
   done
   for f in "$conc"/*-conc-q4-*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-q4-logs.tar.gz
+  ;;
+server-ttft)  # after stage-mlx and conc-q4 (whose .device/x put the server's llguidance in place; or
+  # carry [".device/x"]): issue 11's "the server costs <= 2 ms of TTFT against the raw engine" on the
+  # GPU (benchmarks/server_ttft.py: the MLX engine in this process against `mesh-llm serve`, fresh
+  # prompts alternated request by request), both shapes, 64- and 640-token prompts
+  mlx_env
+  for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    wait_model "$shape"
+    for tokens in 64 640; do
+      timeout 200 python3 benchmarks/server_ttft.py "$models/$shape-mlx" --engine mlx --requests "${REQUESTS:-30}" \
+        --prompt-tokens $tokens --out "$OUT/server-ttft-$shape-$tokens.json" 2>&1 | tail -2 || true
+    done
+  done
   ;;
 newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams, where eight prompts
   # arrive at once: rounds of 1 and 8 through the scheduler, then the slowest steps of 8 under cProfile
