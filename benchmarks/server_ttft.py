@@ -5,13 +5,14 @@
                                                [--prompt-tokens 64] [--out FILE]
 
 The same token-id prompts (each a fresh one, the prompt cache off) sent two ways, alternated
-request by request: to the llama engine loaded in this process (``add`` and ``step`` until the
-first token, as the worker does), and as streamed ``/v1/completions`` to ``mesh-llm serve`` on the
-same model with the same settings (time to the first streamed token, as a client sees it). On the
-llama engine a tiny random-weight GGUF (``tests/tiny_gguf.py``) by default, so the engine's own
-time is small and the server's shows; on the MLX engine the embedded SmolLM2's folder. Reports each
-way's median and the difference. One token is asked for, so that no step of a request is still
-running when the next one comes (a CPU's MLX decode step takes ~70 ms). Not a test.
+request by request: to the engine loaded in this process (``add`` and ``step`` until the first
+token, in steps of the budget the worker gives a newcomer's prompt when nothing else runs), and as
+streamed ``/v1/completions`` to ``mesh-llm serve`` on the same model with the same settings (time
+to the first streamed token, as a client sees it). On the llama engine a tiny random-weight GGUF
+(``tests/tiny_gguf.py``) by default, so the engine's own time is small and the server's shows; on
+the MLX engine the embedded SmolLM2's folder. Reports each way's median and the difference. One
+token is asked for, so that no step of a request is still running when the next one comes (a CPU's
+MLX decode step takes ~70 ms). Not a test.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from hop_cpu import tiny_model
 from mesh_llm.bench.backends import Server
 from mesh_llm.engines import engine_class
 from mesh_llm.engines.base import EngineOptions, SamplingParams
+from mesh_llm.runtime.worker import IDLE_PREFILL_STEPS, prefill_budget
 
 CONTEXT = 2048
 
 
-def raw_ttft(engine, prompt: list[int]) -> float:
+def raw_ttft(engine, prompt: list[int], budget: int) -> float:
+    """As the worker reads a newcomer's prompt with nothing else running: steps of ``budget`` tokens."""
     started = time.perf_counter()
     engine.add(0, prompt, SamplingParams(temperature=0), 1)
-    while not engine.step(512):
+    while not engine.step(budget):
         pass
     ttft = time.perf_counter() - started
     engine.remove(0)
@@ -83,10 +86,11 @@ def main() -> None:
                                                                           cache_bytes=0))
         stack.callback(engine.close)
         vocab = engine.tokenizer.vocab_size
+        budget = IDLE_PREFILL_STEPS * prefill_budget(engine.info())
         http = stack.enter_context(httpx.Client(timeout=120))
         for k in range(args.requests + 2):  # the first pair warms both up
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-            pair = [("engine", lambda p: raw_ttft(engine, p)),
+            pair = [("engine", lambda p: raw_ttft(engine, p, budget)),
                     ("server", lambda p: http_ttft(http, server, p))]
             for name, measure in pair[::1 if k % 2 == 0 else -1]:
                 ttft = measure(prompt)

@@ -40,10 +40,20 @@ log = logging.getLogger("mesh_llm.worker")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
+IDLE_PREFILL_STEPS = 4  # with nothing decoding, a step reads this many steps' worth of prompts
 SLOW_STEP_S = 1.0  # a step longer than this, with streams decoding, is logged: they stood still that long
 # MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
 # (faulthandler), to find what a stall waits on
 STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
+
+
+def prefill_budget(info: EngineInfo, configured: int | None = None) -> int:
+    """Prompt tokens a step reads while other sequences decode: the engine's chunk (or ``configured``);
+    on a CPU, which reads ~100-500 prompt tokens a second, at most ``CPU_PREFILL_BUDGET``, so that
+    running streams' next token is never more than about a second away; on a GPU, where one pass over
+    several chunks costs little more than over one, ``GPU_PREFILL_CHUNKS`` of them."""
+    budget = max(1, configured or info.prefill_step)
+    return min(budget, CPU_PREFILL_BUDGET) if info.device == "cpu" else budget * GPU_PREFILL_CHUNKS
 
 
 class QueueFull(Exception):
@@ -240,13 +250,7 @@ class ModelWorker:
             self.load_error = exc
             self._ready.set()
             return
-        self._prefill_budget = max(1, self._prefill_budget or self.info.prefill_step)
-        if self.info.device == "cpu":
-            # a CPU reads ~100-500 prompt tokens a second: smaller chunks while streams run, so that
-            # their next token is never more than about a second away
-            self._prefill_budget = min(self._prefill_budget, CPU_PREFILL_BUDGET)
-        else:
-            self._prefill_budget *= GPU_PREFILL_CHUNKS
+        self._prefill_budget = prefill_budget(self.info, self._prefill_budget)
         self._alive = True
         self._ready.set()
         try:
@@ -304,7 +308,7 @@ class ModelWorker:
         decoding = any(s.first_at is not None for s in self._active.values())
         # With streams running, read at most one prefill chunk's worth of prompt per step (they
         # wait for it); with none, newcomers' prompts go in larger steps.
-        budget = self._prefill_budget if decoding else 4 * self._prefill_budget
+        budget = self._prefill_budget if decoding else IDLE_PREFILL_STEPS * self._prefill_budget
         started = time.perf_counter()
         if STALL_DUMP_S:
             faulthandler.dump_traceback_later(STALL_DUMP_S)
