@@ -1,0 +1,62 @@
+"""Where a short prompt's time to first token goes in the MLX engine on a GPU (issue 11's fixed cost
+per request): each request's ``add``, the wall time of every ``step`` until its first token, and its
+``remove``, for fresh random prompts of a few lengths; then ten 64-token requests under cProfile.
+
+    python3 benchmarks/gpu_first_step.py MODEL_FOLDER
+
+The engine is stepped as the worker steps a newcomer with nothing else running
+(``IDLE_PREFILL_STEPS`` x ``prefill_budget``), the prompt cache off. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import time
+from pathlib import Path
+
+from mesh_llm.engines.base import EngineOptions, SamplingParams
+from mesh_llm.engines.mlx import MLXEngine
+from mesh_llm.runtime.worker import IDLE_PREFILL_STEPS, prefill_budget
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    args = parser.parse_args()
+    engine = MLXEngine.load(Path(args.model), EngineOptions(ctx_size=2048, cache_bytes=0))
+    budget = IDLE_PREFILL_STEPS * prefill_budget(engine.info())
+    vocab, rng = engine.tokenizer.vocab_size, random.Random(3)
+
+    def request(n: int) -> tuple[float, list[float], float]:
+        prompt = [rng.randrange(3, vocab) for _ in range(n)]
+        started = time.perf_counter()
+        engine.add(0, prompt, SamplingParams(temperature=0), 1)
+        added, steps = time.perf_counter(), []
+        while True:
+            before = time.perf_counter()
+            out = engine.step(budget)
+            steps.append(1000 * (time.perf_counter() - before))
+            if out:
+                break
+        before = time.perf_counter()
+        engine.remove(0)
+        return 1000 * (added - started), steps, 1000 * (time.perf_counter() - before)
+
+    for n in (64, 64, 640, 64, 256, 64):
+        add, steps, remove = request(n)
+        print(f"{n:5} tokens: add {add:.2f} ms, steps {', '.join(f'{s:.1f}' for s in steps)} ms, "
+              f"remove {remove:.2f} ms")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(10):
+        request(64)
+    profile.disable()
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(10)
+
+
+if __name__ == "__main__":
+    main()
