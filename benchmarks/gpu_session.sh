@@ -52,7 +52,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh warm-sizes   # the warm-up's batch sizes: cost, saving
 #                                   (or)  bash benchmarks/gpu_session.sh prefill      # prompt reads against their floor
 #                                   (or)  bash benchmarks/gpu_session.sh warm-check   # first requests, then starts
-#                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_ARGS, QMV_TIMEOUT)
+#                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_TEST_TIMEOUT, QMV_ARGS, QMV_TIMEOUT)
 #      then carry [".device/x"]  bash benchmarks/gpu_session.sh conc-q4  # 7B at 16 and 4 bits through HTTP
 #      then carry []               bash benchmarks/gpu_session.sh server-ttft  # what the server adds to TTFT, both shapes
 #      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
@@ -554,8 +554,10 @@ qmv)  # carry [".device/b"], after stage-mlx (SHAPES="qwen2.5-0.5b qwen2.5-7b"):
   mlx_env
   export MLX_PTX_CACHE_DIR=/tmp/ptx-q
   wait_model qwen2.5-0.5b
-  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 300 python3 -m pytest -q -p no:cacheprovider \
-    tests/engines/test_mlx_gpu.py ${QMV_TESTS:+-k "$QMV_TESTS"} 2>&1 | tee "$OUT/mlx-gpu-tests.log" | tail -12 || true
+  # (2026-12-05: 59 tests took more than 300 s on a slow host; --tb=short -rfE keeps a failure's why)
+  MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout "${QMV_TEST_TIMEOUT:-300}" python3 -m pytest -q \
+    -p no:cacheprovider --tb=short -rfE tests/engines/test_mlx_gpu.py ${QMV_TESTS:+-k "$QMV_TESTS"} 2>&1 \
+    | tee "$OUT/mlx-gpu-tests.log" | tail -25 || true
   wait_model qwen2.5-7b
   timeout "${QMV_TIMEOUT:-400}" python3 benchmarks/gpu_qmv.py --tokens "${TOKENS:-128}" $QMV_ARGS 2>&1 | grep -v Warning \
     | tee "$OUT/qmv.txt" | tail -60 || true
