@@ -55,6 +55,8 @@
 #                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_TEST_TIMEOUT, QMV_ARGS, QMV_TIMEOUT)
 #      then carry [".device/x"]  bash benchmarks/gpu_session.sh conc-q4  # 7B at 16 and 4 bits through HTTP
 #      then carry []               bash benchmarks/gpu_session.sh server-ttft  # what the server adds to TTFT, both shapes
+#      (or, carry [".device/b"])     bash benchmarks/gpu_session.sh quant-test   # the 4-bit model GPU test, whole output
+#                                   (or)  bash benchmarks/gpu_session.sh first-step   # a short prompt's steps to its first token
 #      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
 #      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
@@ -592,6 +594,27 @@ server-ttft)  # after stage-mlx and conc-q4 (whose .device/x put the server's ll
       timeout 200 python3 benchmarks/server_ttft.py "$models/$shape-mlx" --engine mlx --requests "${REQUESTS:-30}" \
         --prompt-tokens $tokens --out "$OUT/server-ttft-$shape-$tokens.json" 2>&1 | tail -2 || true
     done
+  done
+  ;;
+quant-test)  # carry [".device/b"], after stage-mlx: the 4-bit model GPU test alone, its whole output,
+  # on the 0.5B shape and on the tests' tiny float32 llama (where it failed on an H100, message lost)
+  mlx_env
+  export MLX_PTX_CACHE_DIR=/tmp/ptx-q
+  wait_model qwen2.5-0.5b
+  for model in "$models/qwen2.5-0.5b-mlx" ""; do
+    echo "== MESH_LLM_GPU_MODEL=${model:-unset: the tiny llama of the tests}"
+    MESH_LLM_GPU_MODEL=$model timeout 250 python3 -m pytest -q -p no:cacheprovider -rA --tb=long \
+      tests/engines/test_mlx_gpu.py -k 4bit_model 2>&1 | tee -a "$OUT/quant-test.log" | tail -40 || true
+  done
+  ;;
+first-step)  # carry [".device/b"] (or [] after another MLX step), after stage-mlx: a short prompt's
+  # steps to its first token in the MLX engine alone, and ten requests under cProfile (both shapes)
+  mlx_env
+  for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    wait_model "$shape"
+    echo "== $shape"
+    timeout 150 python3 benchmarks/gpu_first_step.py "$models/$shape-mlx" 2>&1 | grep -v Warning \
+      | tee "$OUT/first-step-$shape.txt" | head -40 || true
   done
   ;;
 newcomers)  # carry [".device/b"], after stage-mlx: issue 10's TTFT at 8 streams, where eight prompts
