@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -24,11 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
 
 def serve(stack: ExitStack, name: str, model: str, logs: Path, flags: list[str],
           pythonpath: Path | None = None) -> Server:
-    """``mesh-llm serve -m MODEL --alias bench FLAGS`` on this checkout's code or on ``pythonpath``,
-    stopped with ``stack``."""
+    """``mesh-llm serve -m MODEL --alias bench FLAGS`` on this checkout's code or on ``pythonpath``
+    (ahead of the caller's path, which may hold the server's dependencies), stopped with ``stack``."""
     def argv(_model: Path, port: int, _settings: Settings) -> list[str]:
-        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={pythonpath}",
-                                                               sys.executable]
+        path = os.pathsep.join(p for p in (str(pythonpath), os.environ.get("PYTHONPATH")) if p)
+        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={path}", sys.executable]
         return [*python, "-m", "mesh_llm", "serve", "-m", model, "--alias", "bench", *flags,
                 "--port", str(port)]
 

@@ -468,7 +468,7 @@ code-ab)  # carry [".device/prev"] (a copy of src/ with one change, e.g. TOGETHE
   # MLX step installed MLX: mesh-mlx through HTTP with this tree's code and with that copy, in the
   # order ORDER gives ("new prev new prev"); 0.5B at LEVELS_05 (1,8) streams
   mlx_env
-  mkdir -p "$conc"
+  mkdir -p "$conc" && rm -rf "$conc"/*-code-ab-*  # an earlier call's runs would be copied out again
   n=0
   for t in ${ORDER:-new prev new prev}; do
     n=$((n + 1)); echo "== $t ($n)"
@@ -586,13 +586,15 @@ conc-q4)  # carry [".device/x"] (the server's llguidance), after qmv: the 7B sha
 server-ttft)  # after stage-mlx and conc-q4 (whose .device/x put the server's llguidance in place; or
   # carry [".device/x"]): issue 11's "the server costs <= 2 ms of TTFT against the raw engine" on the
   # GPU (benchmarks/server_ttft.py: the MLX engine in this process against `mesh-llm serve`, fresh
-  # prompts alternated request by request), both shapes, 64- and 640-token prompts
+  # prompts alternated request by request), both shapes, 64- and 640-token prompts; AGAINST=.device/prev/src
+  # (carried in the same call): a server on that copy of src/ joins the rotation
   mlx_env
   for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     wait_model "$shape"
-    for tokens in 64 640; do
-      timeout 200 python3 benchmarks/server_ttft.py "$models/$shape-mlx" --engine mlx --requests "${REQUESTS:-30}" \
-        --prompt-tokens $tokens --out "$OUT/server-ttft-$shape-$tokens.json" 2>&1 | tail -2 || true
+    for tokens in ${TOKENS:-64 640}; do
+      MESH_LLM_LOG_LEVEL=${LOG_LEVEL:-info} timeout 200 python3 benchmarks/server_ttft.py "$models/$shape-mlx" --engine mlx --requests "${REQUESTS:-30}" \
+        --prompt-tokens $tokens ${AGAINST:+--against "$AGAINST"} --out "$OUT/server-ttft-$shape-$tokens.json" \
+        2>&1 | tail -2 || true
     done
   done
   ;;

@@ -2,7 +2,7 @@
 "<= 2 ms of TTFT").
 
     .venv/bin/python benchmarks/server_ttft.py [MODEL] [--engine llama|mlx] [--requests 40]
-                                               [--prompt-tokens 64] [--out FILE]
+                                               [--prompt-tokens 64] [--against SRC] [--out FILE]
 
 The same token-id prompts (each a fresh one, the prompt cache off) sent two ways, alternated
 request by request: to the engine loaded in this process (``add`` and ``step`` until the first
@@ -12,13 +12,15 @@ to the first streamed token, as a client sees it). On the llama engine a tiny ra
 (``tests/tiny_gguf.py``) by default, so the engine's own time is small and the server's shows; on
 the MLX engine the embedded SmolLM2's folder. Reports each way's median and the difference. One
 token is asked for, so that no step of a request is still running when the next one comes (a CPU's
-MLX decode step takes ~70 ms). Not a test.
+MLX decode step takes ~70 ms). ``--against SRC``: a third way, a server on the ``src/`` folder SRC
+(an earlier copy of the code), in the same rotation. Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,25 +39,35 @@ from mesh_llm.runtime.worker import IDLE_PREFILL_STEPS, prefill_budget
 CONTEXT = 2048
 
 
-def raw_ttft(engine, prompt: list[int], budget: int) -> float:
-    """As the worker reads a newcomer's prompt with nothing else running: steps of ``budget`` tokens."""
-    started = time.perf_counter()
+def raw_ttft(engine, prompt: list[int], budget: int) -> tuple[float, list[float]]:
+    """As the worker reads a newcomer's prompt with nothing else running: steps of ``budget`` tokens.
+    Returns the time to the first token and each step's."""
+    started = last = time.perf_counter()
     engine.add(0, prompt, SamplingParams(temperature=0), 1)
-    while not engine.step(budget):
-        pass
+    steps = []
+    while True:
+        out = engine.step(budget)
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+        if out:
+            break
     ttft = time.perf_counter() - started
     engine.remove(0)
-    return ttft
+    return ttft, steps
 
 
-def http_ttft(http: httpx.Client, server: Server, prompt: list[int]) -> float:
+def http_ttft(http: httpx.Client, server: Server, prompt: list[int]) -> tuple[float, list[float]]:
+    """The time to the first streamed token, and to the response's headers (the request read and
+    queued: the server sends them before the first token)."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
             "ignore_eos": True}
     started = time.perf_counter()
     with http.stream("POST", server.url + "/v1/completions", json=body) as reply:
+        headers = time.perf_counter() - started
         for line in reply.iter_lines():
             if line.startswith('data: {"id"'):
-                return time.perf_counter() - started
+                return time.perf_counter() - started, [headers]
     raise RuntimeError("no token came")
 
 
@@ -66,6 +78,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=["llama", "mlx"], default="llama")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--against", type=Path, help="a src/ folder whose server joins the rotation")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="server-ttft-"))
@@ -79,9 +92,13 @@ def main() -> None:
         model = str(default_mlx_folder())
     rng = random.Random(7)
     times: dict[str, list[float]] = {"engine": [], "server": []}
+    parts: dict[str, list[list[float]]] = {"engine": [], "server": []}  # steps' times; headers' time
+    flags = ["--engine", args.engine, "--threads", "1", "--ctx-size", str(CONTEXT), "--cache-bytes", "0"]
     with ExitStack() as stack:
-        server = serve(stack, "server", model, logs, ["--engine", args.engine, "--threads", "1", "--ctx-size",
-                                                      str(CONTEXT), "--cache-bytes", "0"])
+        servers = {"server": serve(stack, "server", model, logs, flags)}
+        if args.against:
+            servers["against"] = serve(stack, "against", model, logs, flags, args.against.resolve())
+            times["against"], parts["against"] = [], []
         engine = engine_class(args.engine).load(Path(model), EngineOptions(ctx_size=CONTEXT, threads=1,
                                                                           cache_bytes=0))
         stack.callback(engine.close)
@@ -90,17 +107,25 @@ def main() -> None:
         http = stack.enter_context(httpx.Client(timeout=120))
         for k in range(args.requests + 2):  # the first pair warms both up
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-            pair = [("engine", lambda p: raw_ttft(engine, p, budget)),
-                    ("server", lambda p: http_ttft(http, server, p))]
-            for name, measure in pair[::1 if k % 2 == 0 else -1]:
-                ttft = measure(prompt)
+            ways = [("engine", lambda p: raw_ttft(engine, p, budget))]
+            ways += [(name, lambda p, s=s: http_ttft(http, s, p)) for name, s in servers.items()]
+            for name, measure in ways[::1 if k % 2 == 0 else -1]:
+                ttft, part = measure(prompt)
                 if k >= 2:
                     times[name].append(ttft)
+                    parts[name].append(part)
     medians = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    adds = ", ".join(f"{name} {medians[name]:.2f} ms (adds {medians[name] - medians['engine']:.2f})"
+                     for name in servers)
     print(f"{args.engine}: TTFT median over {args.requests} requests of {args.prompt_tokens} tokens: engine "
-          f"{medians['engine']:.2f} ms, server {medians['server']:.2f} ms, the server adds "
-          f"{medians['server'] - medians['engine']:.2f} ms")
-    write(args.out, args, medians_ms=medians, ttft_s=times)
+          f"{medians['engine']:.2f} ms, {adds}")
+    steps = [f"{1000 * statistics.median(p[i] for p in parts['engine'] if len(p) > i):.2f}"
+             for i in range(max(map(len, parts["engine"])))]
+    headers = ", ".join(f"{name} {1000 * statistics.median(p[0] for p in parts[name]):.2f}" for name in servers)
+    print(f"  engine steps (median ms): {' + '.join(steps)}; response headers (median ms): {headers}")
+    write(args.out, args, medians_ms=medians, ttft_s=times, parts_s=parts)
+    if args.out:  # the servers' logs (MESH_LLM_LOG_LEVEL=debug: each request's queue wait and steps)
+        shutil.copytree(logs, args.out.with_suffix(".logs"), dirs_exist_ok=True)
 
 
 if __name__ == "__main__":

@@ -243,6 +243,31 @@ def test_a_seeded_sequence_samples_the_same_alone_and_in_a_batch(smollm):
     assert [s.token for s in run_alone(smollm, other_seed)] != alone
 
 
+def test_a_newcomers_first_token_comes_from_the_step_that_read_its_prompt(smollm):
+    """Pipelined (a GPU's default), a step returns the tokens of the pass queued at the step before,
+    except a newcomer's first token: the step that reads the end of its prompt reads it too, so that
+    its time to first token does not include the next step's build. A newcomer that joins running
+    streams brings their pending tokens with it; every token is the solo run's."""
+    engine = sibling(smollm, pipelined=True, cache_bytes=0, prefill_step=512)  # a prompt a step
+    first, second = Case(chat(smollm, QUESTIONS[0]), greedy(None), 6), Case(chat(smollm, QUESTIONS[6]),
+                                                                           greedy(None), 4)
+    alone = [[s.token for s in run_alone(smollm, c)] for c in (first, second)]
+    engine.add(0, first.prompt, first.params(), first.tokens)
+    assert [(seq, s.token) for seq, s in engine.step(4096)] == [(0, alone[0][0])]
+    assert engine.step(4096) == []  # the pass queued now is read at the next step
+    assert [(seq, s.token) for seq, s in engine.step(4096)] == [(0, alone[0][1])]
+    engine.add(1, second.prompt, second.params(), second.tokens)
+    out = [(seq, s.token) for seq, s in engine.step(4096)]
+    assert out == [(0, alone[0][2]), (0, alone[0][3]), (1, alone[1][0])]
+    tokens = {0: alone[0][:4], 1: alone[1][:1]}
+    while len(tokens[0]) < first.tokens or len(tokens[1]) < second.tokens:
+        for seq, s in engine.step(4096):
+            tokens[seq].append(s.token)
+    assert [tokens[0][:first.tokens], tokens[1][:second.tokens]] == alone
+    engine.remove(0)
+    engine.remove(1)
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
 def test_removing_one_mid_prefill_and_one_mid_decode_leaves_the_others_unchanged(smollm, pipelined):
     engine = sibling(smollm, pipelined, cache_bytes=0)

@@ -139,7 +139,8 @@ class MLXEngine(Engine):
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
                  traced: bool = False, bucket: int = 0, keep_slots: bool | None = None):
-        """``pipelined``: queue step n+1 before reading step n (default: on a GPU only).
+        """``pipelined``: queue step n+1 before reading step n (default: on a GPU only), except a
+        step that samples a newcomer's first token, read at once.
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
         cost grows with the rows, and one pass per sequence keeps its results those of a solo run).
@@ -317,6 +318,8 @@ class MLXEngine(Engine):
                     if not launch.outputs:
                         g.finish(launch)
                     g.unread = launch
+                    if any(r.first and r.alive for r in launch.rows):  # a newcomer's first token:
+                        out, g.unread = out + g.read(launch), None  # not held back behind the next build
             else:
                 for g, launch in launches:
                     if not launch.outputs:
