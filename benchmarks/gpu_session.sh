@@ -61,9 +61,10 @@
 #      (or)  http-gil (.device/elf carried by a call of its own first): the server's GIL, by thread
 #      then carry [".device/x"]          bash benchmarks/gpu_session.sh conc-ab      # a setting on and off through HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused-proj  # fused projections, one stream
-#      (.device/x: the llguidance wheel, which the server imports and prepare.sh does not fetch:
+#      (.device/x: the llguidance wheel, which the server imports, and httptools, uvicorn's HTTP parser
+#       that pyproject installs (without it uvicorn falls back to h11); prepare.sh fetches neither:
 #       pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
-#       -d .device/x llguidance; MLX is already installed on the machine by then)
+#       -d .device/x llguidance httptools; MLX is already installed on the machine by then)
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which

@@ -57,6 +57,21 @@ def raw_ttft(engine, prompt: list[int], budget: int) -> tuple[float, list[float]
     return ttft, steps
 
 
+def round_trips(http: httpx.Client, server: Server, prompt: list[int], n: int = 20) -> dict[str, float]:
+    """Medians of two requests that queue nothing: ``GET /health`` (the client and HTTP alone) and
+    the same completion body for a model that does not exist (its body read and validated, then a
+    404), to split what comes before a generation's response headers."""
+    body = {"model": "no-such-model", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    times: dict[str, list[float]] = {"health": [], "refused": []}
+    for _ in range(n):
+        for name, send in (("health", lambda: http.get(server.url + "/health")),
+                           ("refused", lambda: http.post(server.url + "/v1/completions", json=body))):
+            started = time.perf_counter()
+            send()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def http_ttft(http: httpx.Client, server: Server, prompt: list[int]) -> tuple[float, list[float]]:
     """The time to the first streamed token, and to the response's headers (the request read and
     queued: the server sends them before the first token)."""
@@ -114,6 +129,7 @@ def main() -> None:
                 if k >= 2:
                     times[name].append(ttft)
                     parts[name].append(part)
+        trips = {name: round_trips(http, s, prompt) for name, s in servers.items()}
     medians = {name: 1000 * statistics.median(t) for name, t in times.items()}
     adds = ", ".join(f"{name} {medians[name]:.2f} ms (adds {medians[name] - medians['engine']:.2f})"
                      for name in servers)
@@ -123,7 +139,10 @@ def main() -> None:
              for i in range(max(map(len, parts["engine"])))]
     headers = ", ".join(f"{name} {1000 * statistics.median(p[0] for p in parts[name]):.2f}" for name in servers)
     print(f"  engine steps (median ms): {' + '.join(steps)}; response headers (median ms): {headers}")
-    write(args.out, args, medians_ms=medians, ttft_s=times, parts_s=parts)
+    print("  round trips (median ms): " + ", ".join(
+        f"{name} GET /health {1000 * t['health']:.2f}, refused completion {1000 * t['refused']:.2f}"
+        for name, t in trips.items()))
+    write(args.out, args, medians_ms=medians, ttft_s=times, parts_s=parts, round_trips_s=trips)
     if args.out:  # the servers' logs (MESH_LLM_LOG_LEVEL=debug: each request's queue wait and steps)
         shutil.copytree(logs, args.out.with_suffix(".logs"), dirs_exist_ok=True)
 

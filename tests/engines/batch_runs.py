@@ -62,6 +62,8 @@ def run_batched(engine, cases: list[Case], budget: int, leave: dict[int, int] | 
             engine.remove(i)
             done.add(i)
         for seq, step in engine.step(budget):
+            if seq in done:  # a step's second token, after the one that ended it: the runtime skips it too
+                continue
             steps[seq].append(step)
             if len(steps[seq]) == cases[seq].tokens:
                 engine.remove(seq)

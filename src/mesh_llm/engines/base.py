@@ -233,8 +233,9 @@ class Engine(abc.ABC):
         """One forward pass over every sequence held: the next chunk of prompt for sequences still
         reading theirs (at most ``prefill_budget`` prompt tokens in all, each sequence's chunk at
         most the engine's ``EngineInfo.prefill_step``; some progress whenever one is waiting),
-        one token for each decoding sequence. Returns ``(seq, step)`` for each sequence that
-        sampled a token, its first token once its prompt is read.
+        one token for each decoding sequence. Returns ``(seq, step)`` for each token sampled, in
+        order, a sequence's first once its prompt is read; a pipelined engine may return two of
+        one sequence (the pass it had in flight, and the one it read at once for a newcomer).
 
         A sequence goes on decoding until :meth:`remove`; the runtime stops it at its
         ``max_tokens`` at the latest. An engine that fails mid-step raises :class:`EngineError`
