@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import queue
 import random
 import statistics
 import threading
@@ -61,15 +62,24 @@ def main() -> None:
     profile.disable()
     pstats.Stats(profile).sort_stats("cumulative").print_stats(20)
     pstats.Stats(profile).sort_stats("tottime").print_stats(10)
-    where: dict[str, list[float]] = {"main thread": [], "another thread": []}
-    for k in range(40):
-        name = "main thread" if k % 2 == 0 else "another thread"
+    where: dict[str, list[float]] = {"main thread": [], "a new thread each": [], "one other thread": []}
+    asks: queue.Queue = queue.Queue()
+    answers: queue.Queue = queue.Queue()
+    other = threading.Thread(target=lambda: [answers.put(sum(request(n)[1])) for n in iter(asks.get, None)],
+                             daemon=True)
+    other.start()
+    for k in range(60):
+        name = list(where)[k % 3]
         if name == "main thread":
             where[name].append(sum(request(64)[1]))
+        elif name == "one other thread":  # as the server's worker: a thread that lives on
+            asks.put(64)
+            where[name].append(answers.get())
         else:
-            worker = threading.Thread(target=lambda t=where[name]: t.append(sum(request(64)[1])))
-            worker.start()
-            worker.join()
+            thread = threading.Thread(target=lambda t=where[name]: t.append(sum(request(64)[1])))
+            thread.start()
+            thread.join()
+    asks.put(None)
     print("64 tokens, steps' median ms: " + ", ".join(f"{name} {statistics.median(t):.2f}"
                                                      for name, t in where.items()))
 

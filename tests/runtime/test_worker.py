@@ -218,19 +218,21 @@ def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog
 
 def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_step(worker, monkeypatch,
                                                                                    caplog):
-    """A consumer that says when it has passed a chunk on (``taken``, as ``Generation`` does) has its
-    first and last chunks handed over before the worker's next step, so that the event loop sending
-    them never waits for the GIL behind that step's build; a stream beside it goes on afterwards.
-    The wait is bounded (``HANDOVER_S``): a consumer that never says so still gets every chunk."""
+    """A consumer that counts each chunk it has passed on (``Handover``, as ``Generation`` does) has
+    its first and last chunks handed over before the worker's next step, so that the event loop
+    sending them never waits for the GIL behind that step's build; a stream beside it goes on
+    afterwards. The wait is bounded (``HANDOVER_S``): a consumer that never counts still gets every
+    chunk."""
     import queue
 
     from mesh_llm.runtime import worker as worker_module
+    from mesh_llm.runtime.worker import Handover
 
     def steps() -> int:
         return sum("ms, budget" in r.getMessage() for r in caplog.records)
 
     delivered: queue.Queue = queue.Queue()
-    taken = threading.Event()
+    handover = Handover()
     at_hand_over = []  # (steps when the chunk was delivered, steps once its consumer took it)
 
     def consume() -> None:
@@ -241,7 +243,7 @@ def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_st
                 first = False
                 time.sleep(0.2)  # the worker, unless it waits, steps on meanwhile
                 at_hand_over.append((at, steps()))
-            taken.set()
+            handover.took()
             if chunk.finish_reason:
                 return
 
@@ -252,12 +254,12 @@ def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_st
         consumer = threading.Thread(target=consume)
         consumer.start()
         worker.submit(request(worker, "The sky is", max_tokens=4, ignore_eos=True),
-                      lambda c: delivered.put((c, steps())), taken)
+                      lambda c: delivered.put((c, steps())), handover)
         consumer.join(60)
         assert not consumer.is_alive()
         assert len(at_hand_over) == 2 and all(a == b for a, b in at_hand_over), at_hand_over
         assert beside.final.finish_reason == "length" and beside.final.usage.completion_tokens == 30
         monkeypatch.setattr(worker_module, "HANDOVER_S", 0.005)
         never = Collector()
-        worker.submit(request(worker, "Hello", max_tokens=5, ignore_eos=True), never, threading.Event())
+        worker.submit(request(worker, "Hello", max_tokens=5, ignore_eos=True), never, Handover())
         assert never.final.finish_reason == "length" and never.final.usage.completion_tokens == 5

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -111,12 +112,32 @@ class Chunk:
     rejected: bool = False  # the engine refused the request itself (a client error, not a failure)
 
 
+class Handover:
+    """How many chunks a consumer on another thread has passed on, for the worker to wait for
+    without holding the GIL (a count, so that taking an earlier chunk never ends a later wait)."""
+
+    def __init__(self):
+        self._taken = 0
+        self._changed = threading.Condition()
+
+    def took(self, all_of_them: bool = False) -> None:
+        """One more chunk passed on (``all_of_them``: the consumer is gone, wait for it no more)."""
+        with self._changed:
+            self._taken = sys.maxsize if all_of_them else self._taken + 1
+            self._changed.notify_all()
+
+    def wait(self, count: int, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._taken >= count, timeout)
+
+
 @dataclass
 class _Job:
     request: GenerationRequest
     deliver: Callable[[Chunk], None]
-    taken: threading.Event | None = None  # set by the consumer once it has taken what was delivered
+    handover: Handover | None = None  # counts the chunks the consumer has passed on
     cancelled: threading.Event = field(default_factory=threading.Event)
+    delivered: int = 0  # chunks delivered
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -148,9 +169,9 @@ class Generation:
     def __init__(self, worker: ModelWorker, request: GenerationRequest):
         loop = asyncio.get_running_loop()
         self._chunks: asyncio.Queue[Chunk] = asyncio.Queue()
-        self._taken = threading.Event()
+        self._handover = Handover()
         self.cancel = worker.submit(request, lambda c: loop.call_soon_threadsafe(self._chunks.put_nowait, c),
-                                    self._taken)
+                                    self._handover)
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
@@ -162,9 +183,9 @@ class Generation:
                 chunk = await self._chunks.get()
                 self._done = chunk.finish_reason is not None
                 yield chunk
-                self._taken.set()  # sent on, and back for more
+                self._handover.took()  # sent on, and back for more
         finally:
-            self._taken.set()
+            self._handover.took(all_of_them=True)
             self.cancel()
 
 
@@ -189,7 +210,7 @@ class ModelWorker:
         self._ids = itertools.count()
         self._avg_job_s = 1.0
         self._alive = False
-        self._handovers: list[threading.Event] = []  # consumers to wait for after this step
+        self._handovers: list[tuple[Handover, int]] = []  # consumers to wait for after this step
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -231,14 +252,14 @@ class ModelWorker:
     # -- requests --------------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, deliver: Callable[[Chunk], None],
-               taken: threading.Event | None = None) -> Callable[[], None]:
+               handover: Handover | None = None) -> Callable[[], None]:
         """Queue a generation; returns a function that cancels it. ``deliver`` is called on the
-        worker thread for every chunk; a consumer on another thread that sets ``taken`` once it has
-        passed a chunk on has its first and last chunks handed over at once (``HANDOVER_S``).
+        worker thread for every chunk; a consumer on another thread that counts in ``handover`` each
+        chunk it has passed on has its first and last chunks handed over at once (``HANDOVER_S``).
         Raises :class:`QueueFull` when the wait queue is full."""
         if not self.ready or self._stopping.is_set():
             raise WorkerNotReady(f"model {self.name!r} is not loaded")
-        job = _Job(request, deliver, taken)
+        job = _Job(request, deliver, handover)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -407,14 +428,15 @@ class ModelWorker:
     def _send(self, job: _Job, chunk: Chunk, hand_over: bool = False) -> None:
         """Deliver a chunk (``hand_over``: one the client waits on, whose consumer the step's end waits
         for); a callback that raises cancels its own job, never the worker."""
-        if hand_over and job.taken is not None:
-            job.taken.clear()
-            self._handovers.append(job.taken)
         try:
             job.deliver(chunk)
         except Exception:
             log.exception("%s: delivering a chunk failed; cancelling that request", self.name)
             job.cancelled.set()
+            return
+        job.delivered += 1
+        if hand_over and job.handover is not None:
+            self._handovers.append((job.handover, job.delivered))
 
     def _hand_over(self) -> None:
         """Wait, without the GIL, until the consumers of this step's first and last chunks have taken
@@ -422,8 +444,8 @@ class ModelWorker:
         if not self._handovers:
             return
         deadline = time.perf_counter() + HANDOVER_S
-        for taken in self._handovers:
-            if not taken.wait(max(0.0, deadline - time.perf_counter())):
+        for handover, count in self._handovers:
+            if not handover.wait(count, max(0.0, deadline - time.perf_counter())):
                 break
         self._handovers.clear()
 
