@@ -120,7 +120,7 @@ def main() -> None:
         vocab = engine.tokenizer.vocab_size
         budget = IDLE_PREFILL_STEPS * prefill_budget(engine.info())
         http = stack.enter_context(httpx.Client(timeout=120))
-        for k in range(args.requests + 2):  # the first pair warms both up
+        for k in range(args.requests + 2):  # the first two rounds warm every way up
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
             ways = [("engine", lambda p: raw_ttft(engine, p, budget))]
             ways += [(name, lambda p, s=s: http_ttft(http, s, p)) for name, s in servers.items()]
