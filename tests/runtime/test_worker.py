@@ -216,16 +216,13 @@ def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog
     assert budgets == {48, 4 * 48}, budgets
 
 
-def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_step(worker, monkeypatch,
-                                                                                   caplog):
-    """A consumer that counts each chunk it has passed on (``Handover``, as ``Generation`` does) has
-    its first and last chunks handed over before the worker's next step, so that the event loop
-    sending them never waits for the GIL behind that step's build; a stream beside it goes on
-    afterwards. The wait is bounded (``HANDOVER_S``): a consumer that never counts still gets every
-    chunk."""
+def hand_overs(worker: ModelWorker, caplog, patience: float) -> list[tuple[int, int]]:
+    """A 4-token request beside a 30-token stream, its consumer counting each chunk it has passed on
+    (``Handover``, as ``Generation`` does) and holding its first and its last until the worker steps
+    on or ``patience`` seconds pass: for each of those, the worker's steps when it was delivered and
+    once it was taken."""
     import queue
 
-    from mesh_llm.runtime import worker as worker_module
     from mesh_llm.runtime.worker import Handover
 
     def steps() -> int:
@@ -233,7 +230,7 @@ def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_st
 
     delivered: queue.Queue = queue.Queue()
     handover = Handover()
-    at_hand_over = []  # (steps when the chunk was delivered, steps once its consumer took it)
+    at_hand_over = []
 
     def consume() -> None:
         first = True
@@ -241,7 +238,9 @@ def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_st
             chunk, at = delivered.get()
             if (chunk.text and first) or chunk.finish_reason:
                 first = False
-                time.sleep(0.2)  # the worker, unless it waits, steps on meanwhile
+                deadline = time.monotonic() + patience
+                while steps() == at and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 at_hand_over.append((at, steps()))
             handover.took()
             if chunk.finish_reason:
@@ -250,16 +249,40 @@ def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_st
     with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
         beside = Collector()
         worker.submit(request(worker, "Once upon a time", max_tokens=30, ignore_eos=True), beside)
-        monkeypatch.setattr(worker_module, "HANDOVER_S", 60)  # only the consumer ends the wait
         consumer = threading.Thread(target=consume)
         consumer.start()
         worker.submit(request(worker, "The sky is", max_tokens=4, ignore_eos=True),
                       lambda c: delivered.put((c, steps())), handover)
         consumer.join(60)
         assert not consumer.is_alive()
-        assert len(at_hand_over) == 2 and all(a == b for a, b in at_hand_over), at_hand_over
         assert beside.final.finish_reason == "length" and beside.final.usage.completion_tokens == 30
-        monkeypatch.setattr(worker_module, "HANDOVER_S", 0.005)
-        never = Collector()
-        worker.submit(request(worker, "Hello", max_tokens=5, ignore_eos=True), never, Handover())
-        assert never.final.finish_reason == "length" and never.final.usage.completion_tokens == 5
+    return at_hand_over
+
+
+def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_step(worker, monkeypatch,
+                                                                                   caplog):
+    """The first and last chunks of a consumer that counts what it passes on are handed over before
+    the worker's next step, so that the event loop sending them never waits for the GIL behind that
+    step's build; a stream beside it goes on afterwards. The wait is bounded (``HANDOVER_S``): a
+    consumer that never counts still gets every chunk."""
+    from mesh_llm.runtime import worker as worker_module
+    from mesh_llm.runtime.worker import Handover
+
+    monkeypatch.setattr(worker_module, "HANDOVER_S", 60)  # only the consumer ends the wait
+    at_hand_over = hand_overs(worker, caplog, patience=1.0)
+    assert len(at_hand_over) == 2 and all(a == b for a, b in at_hand_over), at_hand_over
+    monkeypatch.setattr(worker_module, "HANDOVER_S", 0.005)
+    never = Collector()
+    worker.submit(request(worker, "Hello", max_tokens=5, ignore_eos=True), never, Handover())
+    assert never.final.finish_reason == "length" and never.final.usage.completion_tokens == 5
+
+
+def test_after_a_step_of_many_tokens_the_worker_does_not_wait_for_a_consumer(worker, monkeypatch, caplog):
+    """Past ``HANDOVER_TOKENS`` tokens a step (here 1, so that two streams pass it) the event loop has
+    many chunks to take before the waited one: the worker steps on."""
+    from mesh_llm.runtime import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "HANDOVER_S", 60)
+    monkeypatch.setattr(worker_module, "HANDOVER_TOKENS", 1)
+    first, _ = hand_overs(worker, caplog, patience=30.0)
+    assert first[1] > first[0], first  # it stepped on while the first chunk waited to be taken

@@ -51,6 +51,10 @@ STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
 # GIL while the worker builds the next step, up to Python's switch interval (5 ms) and often longer:
 # on an H100 the server added 4.6-7.4 ms to the MLX engine's time to first token.
 HANDOVER_S = 0.005
+# ... only after a step of at most this many tokens: the event loop takes a step's chunks in order, so
+# behind many streams' it would keep the worker waiting (while a GPU-bound step would hide it, a
+# host-bound one would not).
+HANDOVER_TOKENS = 8
 
 
 def prefill_budget(info: EngineInfo, configured: int | None = None) -> int:
@@ -374,7 +378,9 @@ class ModelWorker:
                 finish = self._advance(sequence, step, now)
                 if finish is not None:
                     self._finish(seq, finish, now)
-        self._hand_over()
+        if len(outputs) <= HANDOVER_TOKENS:
+            self._hand_over()
+        self._handovers.clear()
 
     def _advance(self, s: _Sequence, step: Step, now: float) -> str | None:
         """Take one sampled token; returns a finish reason once the sequence is done."""
@@ -441,13 +447,10 @@ class ModelWorker:
     def _hand_over(self) -> None:
         """Wait, without the GIL, until the consumers of this step's first and last chunks have taken
         them (``HANDOVER_S`` at most, for all of them together)."""
-        if not self._handovers:
-            return
         deadline = time.perf_counter() + HANDOVER_S
         for handover, count in self._handovers:
             if not handover.wait(count, max(0.0, deadline - time.perf_counter())):
-                break
-        self._handovers.clear()
+                return
 
     def _shutdown(self) -> None:
         """Answer everything still held or waiting, then close the engine."""
