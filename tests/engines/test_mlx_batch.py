@@ -674,7 +674,11 @@ def test_a_constrained_and_a_seeded_newcomer_in_slots_rows_left(smollm):
     params = [c.params() for c in cases]
     batched = run_batched(engine, cases, budget=4096, params=params)
     digits_got = [s.token for s in batched[4]]
-    assert set(digits_got) <= set(digits) and constraint.seen == digits_got
+    # told of every token in order; perhaps of one more, in flight when the row ended (a pipelined
+    # pass read together with a newcomer's first token, which the runtime drops)
+    seen = constraint.seen
+    assert set(digits_got) <= set(digits) and seen[:len(digits_got)] == digits_got
+    assert len(seen) - len(digits_got) in (0, 1), seen
     # the newcomers took the slots rows 0 and 1 left (else the batch would have grown to 5 and 6)
     assert max(model.decode_rows) == 4 and model.decode_rows[:20] == [4] * 20, model.decode_rows
     free = [0, 1, 2, 3, 5]

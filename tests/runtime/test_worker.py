@@ -272,9 +272,12 @@ def test_a_first_and_a_last_chunk_are_taken_by_their_consumer_before_the_next_st
     at_hand_over = hand_overs(worker, caplog, patience=1.0)
     assert len(at_hand_over) == 2 and all(a == b for a, b in at_hand_over), at_hand_over
     monkeypatch.setattr(worker_module, "HANDOVER_S", 0.005)
-    never = Collector()
+    never, after = Collector(), Collector()
     worker.submit(request(worker, "Hello", max_tokens=5, ignore_eos=True), never, Handover())
     assert never.final.finish_reason == "length" and never.final.usage.completion_tokens == 5
+    # the worker is past that wait once a later request ends (else a later test's HANDOVER_S is its)
+    worker.submit(request(worker, "Hi", max_tokens=2, ignore_eos=True), after)
+    assert after.final.finish_reason == "length"
 
 
 def test_after_a_step_of_many_tokens_the_worker_does_not_wait_for_a_consumer(worker, monkeypatch, caplog):
