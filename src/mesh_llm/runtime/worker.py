@@ -141,7 +141,7 @@ class _Job:
     deliver: Callable[[Chunk], None]
     handover: Handover | None = None  # counts the chunks the consumer has passed on
     cancelled: threading.Event = field(default_factory=threading.Event)
-    delivered: int = 0  # chunks delivered
+    delivered: int = 0  # chunks delivered (an admitted job's first: its first text or logprobs)
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -156,7 +156,6 @@ class _Sequence:
         self.count = 0
         self.cached = 0
         self.first_at: float | None = None
-        self.sent = False  # a chunk of text or logprobs has gone to the client
         self.error: str | None = None  # why it ends in an error
 
     def usage(self, now: float) -> Usage:
@@ -400,8 +399,7 @@ class ModelWorker:
         if s.job.request.params.logprobs is not None:
             logprobs = (_logprob(self._engine.tokenizer, step),)
         if text or logprobs:
-            self._send(s.job, Chunk(text=text, logprobs=logprobs), hand_over=not s.sent)
-            s.sent = True
+            self._send(s.job, Chunk(text=text, logprobs=logprobs), hand_over=s.job.delivered == 0)
         if s.detok.stopped:
             return "stop"
         if s.count >= s.job.request.max_tokens:
