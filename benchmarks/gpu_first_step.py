@@ -24,11 +24,31 @@ import time
 from pathlib import Path
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
-from mesh_llm.engines.mlx import MLXEngine
 from mesh_llm.runtime.worker import IDLE_PREFILL_STEPS, prefill_budget
 
 
+def first_token(engine, prompt: list[int], budget: int) -> tuple[float, list[float], float]:
+    """One greedy token for ``prompt``, as the worker reads a newcomer's prompt with nothing else
+    running (steps of ``budget`` prompt tokens): the seconds ``add`` took, each step's, and
+    ``remove``'s (also ``server_ttft.py``'s engine side)."""
+    started = time.perf_counter()
+    engine.add(0, prompt, SamplingParams(temperature=0), 1)
+    added, steps = time.perf_counter(), []
+    while True:
+        before = time.perf_counter()
+        out = engine.step(budget)
+        steps.append(time.perf_counter() - before)
+        if out:
+            break
+    before = time.perf_counter()
+    engine.remove(0)
+    return added - started, steps, time.perf_counter() - before
+
+
 def main() -> None:
+    # imported here: server_ttft.py imports this module for first_token, on the llama engine too
+    from mesh_llm.engines.mlx import MLXEngine
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     args = parser.parse_args()
@@ -37,19 +57,9 @@ def main() -> None:
     vocab, rng = engine.tokenizer.vocab_size, random.Random(3)
 
     def request(n: int) -> tuple[float, list[float], float]:
-        prompt = [rng.randrange(3, vocab) for _ in range(n)]
-        started = time.perf_counter()
-        engine.add(0, prompt, SamplingParams(temperature=0), 1)
-        added, steps = time.perf_counter(), []
-        while True:
-            before = time.perf_counter()
-            out = engine.step(budget)
-            steps.append(1000 * (time.perf_counter() - before))
-            if out:
-                break
-        before = time.perf_counter()
-        engine.remove(0)
-        return 1000 * (added - started), steps, 1000 * (time.perf_counter() - before)
+        """``first_token`` of a fresh n-token prompt, in ms."""
+        add, steps, remove = first_token(engine, [rng.randrange(3, vocab) for _ in range(n)], budget)
+        return 1000 * add, [1000 * s for s in steps], 1000 * remove
 
     for n in (64, 64, 640, 64, 256, 64):
         add, steps, remove = request(n)

@@ -29,32 +29,21 @@ from pathlib import Path
 
 import httpx
 from alternate import serve, write  # benchmarks/, the script's own folder
+from gpu_first_step import first_token
 from hop_cpu import tiny_model
 
 from mesh_llm.bench.backends import Server
 from mesh_llm.engines import engine_class
-from mesh_llm.engines.base import EngineOptions, SamplingParams
+from mesh_llm.engines.base import EngineOptions
 from mesh_llm.runtime.worker import IDLE_PREFILL_STEPS, prefill_budget
 
 CONTEXT = 2048
 
 
 def raw_ttft(engine, prompt: list[int], budget: int) -> tuple[float, list[float]]:
-    """As the worker reads a newcomer's prompt with nothing else running: steps of ``budget`` tokens.
-    Returns the time to the first token and each step's."""
-    started = last = time.perf_counter()
-    engine.add(0, prompt, SamplingParams(temperature=0), 1)
-    steps = []
-    while True:
-        out = engine.step(budget)
-        now = time.perf_counter()
-        steps.append(now - last)
-        last = now
-        if out:
-            break
-    ttft = time.perf_counter() - started
-    engine.remove(0)
-    return ttft, steps
+    """The time to the first token in the engine alone (its ``add`` and steps), and each step's."""
+    add, steps, _ = first_token(engine, prompt, budget)
+    return add + sum(steps), steps
 
 
 def round_trips(http: httpx.Client, server: Server, prompt: list[int], n: int = 20) -> dict[str, float]:
