@@ -233,7 +233,6 @@ def hand_overs(worker: ModelWorker, caplog, patience: float) -> list[tuple[int, 
     at_hand_over = []
 
     def consume() -> None:
-        handover.listening()
         first = True
         while True:
             chunk, at = delivered.get()
@@ -290,41 +289,3 @@ def test_after_a_step_of_many_tokens_the_worker_does_not_wait_for_a_consumer(wor
     monkeypatch.setattr(worker_module, "HANDOVER_TOKENS", 1)
     first, _ = hand_overs(worker, caplog, patience=30.0)
     assert first[1] > first[0], first  # it stepped on while the first chunk waited to be taken
-
-
-def test_with_nothing_decoding_a_newcomer_s_step_waits_until_its_consumer_listens(worker, monkeypatch,
-                                                                                  caplog):
-    """Before a step with nothing decoding the worker waits (``HANDOVER_S`` at most) until its
-    newcomers' consumers listen, so that the event loop starts their responses before the step's
-    build, not inside it. With a stream decoding it does not: that stream would stand still."""
-    from mesh_llm.runtime import worker as worker_module
-    from mesh_llm.runtime.worker import Handover
-
-    def steps() -> int:
-        return sum("ms, budget" in r.getMessage() for r in caplog.records)
-
-    monkeypatch.setattr(worker_module, "HANDOVER_S", 60)  # only the consumer ends the wait
-
-    def counting(handover: Handover, collector: Collector):
-        def deliver(chunk: Chunk) -> None:
-            collector(chunk)
-            handover.took()
-        return deliver
-
-    with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
-        late, handover = Collector(), Handover()
-        worker.submit(request(worker, "The sky is", max_tokens=3, ignore_eos=True), counting(handover, late),
-                      handover)
-        time.sleep(0.5)
-        assert steps() == 0 and not late.chunks  # the worker waits for the consumer
-        handover.listening()
-        assert late.final.finish_reason == "length" and late.final.usage.completion_tokens == 3
-
-        beside, deaf, handover = Collector(), Collector(), Handover()
-        worker.submit(request(worker, "Once upon a time", max_tokens=20, ignore_eos=True), beside)
-        while not beside.chunks:
-            time.sleep(0.01)
-        # a consumer that counts what it takes but never says it listens
-        worker.submit(request(worker, "Hello", max_tokens=3, ignore_eos=True), counting(handover, deaf), handover)
-        assert deaf.done.wait(30), "a newcomer's silent consumer held up a decoding stream"
-        assert beside.final.finish_reason == "length"

@@ -49,8 +49,7 @@ STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
 # After a step that sent a request's first or last chunk, the worker waits (the GIL released) up to
 # this long for the consumer to take it. Otherwise the event loop, woken to send it, waits for the
 # GIL while the worker builds the next step, up to Python's switch interval (5 ms) and often longer:
-# on an H100 the server added 4.6-7.4 ms to the MLX engine's time to first token. So too before a
-# step with nothing decoding, until its newcomers' consumers listen (their responses started).
+# on an H100 the server added 4.6-7.4 ms to the MLX engine's time to first token.
 HANDOVER_S = 0.005
 # ... only after a step of at most this many tokens: the event loop takes a step's chunks in order, so
 # behind many streams' it would keep the worker waiting (while a GPU-bound step would hide it, a
@@ -118,29 +117,20 @@ class Chunk:
 
 
 class Handover:
-    """How far a consumer on another thread has got, for the worker to wait for without holding the
-    GIL: listening for its first chunk, then how many chunks it has passed on (a count, so that
-    taking an earlier chunk never ends a later wait)."""
+    """How many chunks a consumer on another thread has passed on, for the worker to wait for
+    without holding the GIL (a count, so that taking an earlier chunk never ends a later wait)."""
 
     def __init__(self):
-        self._taken = -1  # -1: not listening yet
+        self._taken = 0
         self._changed = threading.Condition()
-
-    def listening(self) -> None:
-        """The consumer waits for its first chunk (its response has started)."""
-        self._set(max(self._taken, 0))
 
     def took(self, all_of_them: bool = False) -> None:
         """One more chunk passed on (``all_of_them``: the consumer is gone, wait for it no more)."""
-        self._set(sys.maxsize if all_of_them else max(self._taken, 0) + 1)
-
-    def _set(self, taken: int) -> None:
         with self._changed:
-            self._taken = taken
+            self._taken = sys.maxsize if all_of_them else self._taken + 1
             self._changed.notify_all()
 
     def wait(self, count: int, timeout: float) -> bool:
-        """Until ``count`` chunks are taken (0: until the consumer listens), ``timeout`` at most."""
         with self._changed:
             return self._changed.wait_for(lambda: self._taken >= count, timeout)
 
@@ -191,7 +181,6 @@ class Generation:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Chunk]:
-        self._handover.listening()
         try:
             while not self._done:
                 chunk = await self._chunks.get()
@@ -225,7 +214,6 @@ class ModelWorker:
         self._avg_job_s = 1.0
         self._alive = False
         self._handovers: list[tuple[Handover, int]] = []  # consumers to wait for after this step
-        self._newcomers: list[Handover] = []  # consumers of the jobs admitted since the last step
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -312,9 +300,6 @@ class ModelWorker:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                if self._let_newcomers_listen():
-                    self._admit()  # requests that came meanwhile join the step
-                self._newcomers.clear()
                 self._step()
         except BaseException:  # a bug in the scheduler itself: fail loudly, never hang clients
             log.exception("worker %s stopped", self.name)
@@ -355,8 +340,6 @@ class ModelWorker:
                 continue
             self._pending.popleft()
             self._active[seq] = _Sequence(job, engine.tokenizer)
-            if job.handover is not None:
-                self._newcomers.append(job.handover)
             log.debug("%s: a %d-token prompt admitted after %.1f ms in the queue", self.name,
                       len(req.prompt), 1000 * (time.perf_counter() - job.submitted))
 
@@ -458,19 +441,6 @@ class ModelWorker:
         job.delivered += 1
         if hand_over and job.handover is not None:
             self._handovers.append((job.handover, job.delivered))
-
-    def _let_newcomers_listen(self) -> bool:
-        """With nothing decoding, wait (the GIL released, ``HANDOVER_S`` at most) until the consumers
-        of the jobs just admitted listen, so that the event loop finishes starting their responses
-        (the route's last work, the headers) before this step's build, not in the middle of it, each
-        waiting for the GIL behind the other. True if it waited."""
-        if not self._newcomers or any(s.first_at is not None for s in self._active.values()):
-            return False
-        deadline = time.perf_counter() + HANDOVER_S
-        for handover in self._newcomers:
-            if not handover.wait(0, max(0.0, deadline - time.perf_counter())):
-                break
-        return True
 
     def _hand_over(self) -> None:
         """Wait, without the GIL, until the consumers of this step's first and last chunks have taken
