@@ -13,12 +13,16 @@ to the first streamed token, as a client sees it). On the llama engine a tiny ra
 the MLX engine the embedded SmolLM2's folder. Reports each way's median and the difference. One
 token is asked for, so that no step of a request is still running when the next one comes (a CPU's
 MLX decode step takes ~70 ms). ``--against SRC``: a third way, a server on the ``src/`` folder SRC
-(an earlier copy of the code), in the same rotation. Not a test.
+(an earlier copy of the code), in the same rotation. Each round takes the ways in the next of their
+orders, so that each way comes first, between the others and last equally often (with ``--against``,
+give a multiple of 6 requests; before 2026-12-06 the rounds alternated one order and its reverse, so
+this code's server was always measured between the other two ways). Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import shutil
 import statistics
@@ -113,7 +117,8 @@ def main() -> None:
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
             ways = [("engine", lambda p: raw_ttft(engine, p, budget))]
             ways += [(name, lambda p, s=s: http_ttft(http, s, p)) for name, s in servers.items()]
-            for name, measure in ways[::1 if k % 2 == 0 else -1]:
+            orders = list(itertools.permutations(ways))  # each way in each place as often
+            for name, measure in orders[k % len(orders)]:
                 ttft, part = measure(prompt)
                 if k >= 2:
                     times[name].append(ttft)
