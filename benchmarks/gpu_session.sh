@@ -41,7 +41,9 @@
 #   build, stage, warm-check (carry .device/b), startup-ab (carry .device/elf, .device/b/extra).
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
-#      (over 64 MiB with the tree since 2026-12-05: carry [".device/v"] stash-v, then [".device/a"] stage-mlx)
+#      (over 64 MiB with the tree since 2026-12-05: `xz -9 .device/v/ggml-vocab-qwen2.gguf` and leave
+#      pyelftools out of .device/v (59.4 MiB in all on 2026-12-06; stage-mlx unpacks it), or carry
+#      [".device/v"] stash-v, then [".device/a"] stage-mlx)
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
 #                                   (or)  bash benchmarks/gpu_session.sh stall   # the 8-stream stall, empty kernel folders
@@ -204,6 +206,7 @@ stage-mlx)  # carry [".device/a", ".device/v"] (or [".device/a"] after stash-v):
   # pair written in the background (.device/v: the qwen2 vocabulary and the gguf, diskcache and
   # pyelftools wheels), no llama.cpp build
   [ -d .device/v ] || { mkdir -p .device/v && cp /tmp/v-stash/* .device/v/; }
+  [ -f .device/v/ggml-vocab-qwen2.gguf.xz ] && xz -dkf .device/v/ggml-vocab-qwen2.gguf.xz
   bash .device/a/stage.sh
   mkdir -p /tmp/vocab "$models" && cp .device/v/ggml-vocab-qwen2.gguf /tmp/vocab/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/v/*.whl
