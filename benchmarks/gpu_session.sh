@@ -57,6 +57,7 @@
 #                                   (or)  bash benchmarks/gpu_session.sh qmv          # quantized decode products (QMV_TESTS, QMV_TEST_TIMEOUT, QMV_ARGS, QMV_TIMEOUT)
 #      then carry [".device/x"]  bash benchmarks/gpu_session.sh conc-q4  # 7B at 16 and 4 bits through HTTP
 #      then carry []               bash benchmarks/gpu_session.sh server-ttft  # what the server adds to TTFT, both shapes
+#      (or)  carry []               bash benchmarks/gpu_session.sh engine-process  # 8 streams, worker thread or child process
 #      (or, carry [".device/b"])     bash benchmarks/gpu_session.sh quant-test   # the 4-bit model GPU test, whole output
 #                                   (or)  bash benchmarks/gpu_session.sh first-step   # a short prompt's steps to its first token
 #      or newcomers-ab (carry [".device/prev"] in a call of its own first): 8 newcomers, this tree against a copy
@@ -467,6 +468,14 @@ conc-ab)  # carry [".device/b"], or [".device/x"] on a machine where host ran: m
   done
   for f in "$conc"/*-ab*/results.jsonl; do d=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$d-results.jsonl"; done
   logs_to_out conc-ab-logs.tar.gz
+  ;;
+engine-process)  # carry [] (or [".device/x"]) after an MLX step installed MLX: 8 streams through the
+  # server as it is against the same app with its worker in a child process (benchmarks/engine_process.py),
+  # the bound on an engine process (GPU.md, "Next on a GPU (twenty-third session's end)")
+  mlx_env
+  wait_model qwen2.5-0.5b
+  timeout 400 python3 benchmarks/engine_process.py "$models/qwen2.5-0.5b-mlx" --rounds "${RUNS:-4}" 2>&1 \
+    | grep -v Warning | tee "$OUT/engine-process.txt" | tail -12 || true
   ;;
 code-ab)  # carry [".device/prev"] (a copy of src/ with one change, e.g. TOGETHER_MIN_REUSE = 0), after an
   # MLX step installed MLX: mesh-mlx through HTTP with this tree's code and with that copy, in the
