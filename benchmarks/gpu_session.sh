@@ -42,7 +42,7 @@
 # Or, MLX only, no llama.cpp build (the 0.5B pair, written in the background):
 #   1. carry [".device/a", ".device/v"]  bash benchmarks/gpu_session.sh stage-mlx
 #      (over 64 MiB with the tree since 2026-12-05: `xz -9 .device/v/ggml-vocab-qwen2.gguf`, keeping
-#      only the .xz (59.6 MiB in all on 2026-12-06; stage-mlx unpacks it), or carry [".device/v"]
+#      only the .xz (about 60 MiB in all on 2026-12-06; stage-mlx unpacks it), or carry [".device/v"]
 #      stash-v, then [".device/a"] stage-mlx)
 #   2. carry [".device/b"]               bash benchmarks/gpu_session.sh diag    # scheduler rounds, steps, HTTP
 #                                   (or)  bash benchmarks/gpu_session.sh fused   # the fused decode attention
