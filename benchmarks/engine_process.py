@@ -18,7 +18,6 @@ import itertools
 import multiprocessing
 import os
 import random
-import socket
 import statistics
 import threading
 import time
@@ -33,6 +32,7 @@ from mesh_llm.engines.base import EngineOptions
 from mesh_llm.engines.hf_tokenizer import HFTokenizer
 from mesh_llm.engines.mlx import MLXEngine
 from mesh_llm.runtime.worker import Generation, ModelWorker
+from mesh_llm.serve import bind
 
 
 def _load(folder: str, threads: int) -> MLXEngine:
@@ -116,8 +116,7 @@ class ProcessWorker:
 
 def _serve(worker) -> tuple[uvicorn.Server, str]:
     app = create_app([ServedModel("bench", worker, "safetensors", int(time.time()))])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind("127.0.0.1", 0)  # as the server binds: a TCP socket, so asyncio turns Nagle off
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
