@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from alternate import alternate  # benchmarks/, the script's own folder
 
 from mesh_llm.api.app import ServedModel, create_app
 from mesh_llm.engines.base import EngineOptions
@@ -157,18 +158,22 @@ def main() -> None:
     thread_worker.wait_ready()
     process_worker = ProcessWorker(args.folder, args.threads)
     ways = {"thread": _serve(thread_worker), "process": _serve(process_worker)}
+    urls = {name: url for name, (_, url) in ways.items()}
     vocab = process_worker.tokenizer.vocab_size
-    rates: dict[str, list[float]] = {name: [] for name in ways}
     # the clients in a process of their own: in this one they would share the servers' GIL
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    for k in range(args.rounds + 1):  # the first round warms both up
-        for name in list(ways)[:: 1 if k % 2 == 0 else -1]:
-            rate = clients.submit(_round, ways[name][1], args.streams, args.prompt_tokens, args.tokens,
-                                  vocab, k).result()
-            if k:
-                rates[name].append(rate)
-                print(f"round {k} {name}: {rate:.0f} chunks/s", flush=True)
-    for name, r in rates.items():
+    calls = itertools.count()
+
+    def measure(url: str) -> dict:
+        seed = next(calls) // len(urls)  # both ways of a round get the same prompts
+        return {"chunks_s": clients.submit(_round, url, args.streams, args.prompt_tokens, args.tokens,
+                                           vocab, seed).result()}
+
+    for url in urls.values():  # warm both up
+        measure(url)
+    results = alternate(urls, args.rounds, measure, lambda m: f"{m['chunks_s']:.0f} chunks/s")
+    for name, runs in results.items():
+        r = [m["chunks_s"] for m in runs]
         print(f"{name}: median {statistics.median(r):.0f} chunks/s over {len(r)} rounds "
               f"({', '.join(f'{x:.0f}' for x in r)})")
     clients.shutdown()
