@@ -113,11 +113,11 @@ def main() -> None:
         vocab = engine.tokenizer.vocab_size
         budget = IDLE_PREFILL_STEPS * prefill_budget(engine.info())
         http = stack.enter_context(httpx.Client(timeout=120))
+        ways = [("engine", lambda p: raw_ttft(engine, p, budget))]
+        ways += [(name, lambda p, s=s: http_ttft(http, s, p)) for name, s in servers.items()]
+        orders = list(itertools.permutations(ways))  # each way in each place as often
         for k in range(args.requests + 2):  # the first two rounds warm every way up
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-            ways = [("engine", lambda p: raw_ttft(engine, p, budget))]
-            ways += [(name, lambda p, s=s: http_ttft(http, s, p)) for name, s in servers.items()]
-            orders = list(itertools.permutations(ways))  # each way in each place as often
             for name, measure in orders[k % len(orders)]:
                 ttft, part = measure(prompt)
                 if k >= 2:
