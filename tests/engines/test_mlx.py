@@ -494,12 +494,20 @@ def test_a_float_folder_loads_without_transformers_or_torch(checkpoints, tmp_pat
     installed (3.6 s and 12-17 s of an MLX server's start on the H200 image), for code the engine does
     not call. With a stand-in torch installed as pip would (plain mlx-lm imports it): loading a float
     folder imports neither; ``mlx_lm``'s own names still work afterwards, importing transformers but
-    not torch; ``import torch`` still works after that."""
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("__version__ = '2.9.0'\n")
-    (tmp_path / "torch-2.9.0.dist-info").mkdir()
-    (tmp_path / "torch-2.9.0.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
+    not torch; ``import torch`` still works after that. Where a real torch is installed (the GPU
+    image) it is the one used: transformers reaches into the real one's modules, which a stand-in
+    lacks."""
+    version = "2.9.0"
+    if importlib.util.find_spec("torch") is None:
+        (tmp_path / "torch").mkdir()
+        (tmp_path / "torch" / "__init__.py").write_text(f"__version__ = '{version}'\n")
+        (tmp_path / f"torch-{version}.dist-info").mkdir()
+        (tmp_path / f"torch-{version}.dist-info" / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    else:
+        from importlib.metadata import version as installed
+
+        version = installed("torch")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
 
     def probe(*args):
@@ -507,9 +515,9 @@ def test_a_float_folder_loads_without_transformers_or_torch(checkpoints, tmp_pat
                              capture_output=True, text=True)
         return out.stdout.split()
 
-    assert probe("mlx_lm") == ["True", "True", "2.9.0"]  # the stand-in is one transformers takes
+    assert probe("mlx_lm") == ["True", "True", version]  # a stand-in is one transformers takes
     assert probe("engine", str(checkpoints["qwen3"].path)) == [
-        "False", "False", "mlx_lm.utils", "True", "False", "True", "2.9.0"]
+        "False", "False", "mlx_lm.utils", "True", "False", "True", version]
 
 
 def test_a_float_folder_is_built_as_mlx_lm_load_model_builds_it(checkpoints, monkeypatch):

@@ -70,18 +70,18 @@ def smollm():
 
 
 def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, keep_slots=None,
-            prefill_step=32, **options):
+            prefill_step=32, context=CONTEXT, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass,
     ``keep_slots``: rows that leave the decode batch leave their slots (the defaults on a GPU), and
     ``traced``: decode through the compiled step (engines/mlx_compiled.py), and ``bucket``: prompt
     chunks padded and their keys read in steps (mlx_attention), to check those paths on this CPU;
-    chunks of ``prefill_step`` tokens."""
+    chunks of ``prefill_step`` tokens; a ``context`` of that many positions."""
     if traced or bucket:
         from mesh_llm.engines import mlx_attention
 
         assert mlx_attention.install(engine._model, traced=traced, in_steps=bool(bucket))
-    return MLXEngine(model or engine._model, engine.tokenizer, {}, CONTEXT,
+    return MLXEngine(model or engine._model, engine.tokenizer, {}, context,
                      EngineOptions(prefill_step=prefill_step, **options), {}, "safetensors",
                      pipelined=pipelined, together=together, traced=traced, bucket=bucket,
                      keep_slots=keep_slots)
@@ -779,6 +779,18 @@ def test_the_warm_up_reads_every_padded_width_with_room_for_one_sequence(smollm)
     engine = sibling(smollm, model=model, bucket=12, max_batch=1)
     assert engine.warm_up() > 0
     assert set(model.chunk_widths) == {12, 24, 32} and not engine._seqs
+    engine.close()
+
+
+def test_the_warm_up_fits_a_context_shorter_than_a_chunk(smollm):
+    """``--ctx-size`` under ``--prefill-step`` (a padded width then reaches the context itself): the
+    warm-up still reads every width a prompt can take, each prompt shorter than the context (on an
+    H100 a 256-token context failed to load: a 257-token warm-up prompt)."""
+    model = CountingModel(smollm._model)
+    engine = sibling(smollm, model=model, bucket=12, context=30)
+    assert engine.info().context_length == 30
+    assert engine.warm_up() > 0
+    assert set(model.chunk_widths) == {12, 24, 30} and not engine._seqs
     engine.close()
 
 

@@ -382,7 +382,11 @@ class MLXEngine(Engine):
             rows = min(self._max_batch, 2)
             for size in widths:  # every padded width, first in a prompt and after a whole chunk
                 for offset in {0, min(chunk, self._context - 4 - size)}:
-                    self.add(-99, [(5 * i + size) % self._vocab for i in range(offset + size + 1)], greedy, 1)
+                    if offset < 0:  # no room for it after a chunk, only at a prompt's start
+                        continue
+                    # a width may reach the context (a prompt one short of it, padded), never pass it
+                    length = min(offset + size + 1, self._context - 1)
+                    self.add(-99, [(5 * i + size) % self._vocab for i in range(length)], greedy, 1)
                     while self._reading:  # its last chunk's step also queues its first decode step
                         self.step(chunk)
                     self.remove(-99)
