@@ -113,6 +113,24 @@ def test_bad_request(server, name, method, path, body, status, etype, param):
     assert "Traceback" not in response.text
 
 
+@pytest.mark.parametrize("path,body,says", [
+    (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 9000},
+     "but 9000 tokens were asked for, which leaves no room for the prompt"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 8200}]},
+     "tokens, which leaves no room for an answer"),
+    (TEXT, {"model": MODEL, "prompt": [1] * 8000, "max_tokens": 500},
+     "but the prompt has 8000 tokens and 500 more were asked for"),
+], ids=["max_tokens over the context", "chat fills it", "prompt and max_tokens over it"])
+def test_a_prompt_over_the_context_is_told_what_does_not_fit(server, path, body, says):
+    """The refusal names what went over (once it said "-131 more were asked for" of a long chat
+    without ``max_tokens``, and "at least 1 tokens" of a ``max_tokens`` over the context)."""
+    response = httpx.post(server.url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("this model's context is 8192 tokens, ") and says in message, message
+    assert " -" not in message
+
+
 def test_a_body_counted_past_the_limit_says_so_as_one_with_a_length_does(server):
     """Sent in chunks (no Content-Length), an over-large body is counted as it comes: the same 413 and
     code as one refused by its header."""

@@ -36,9 +36,20 @@ class PromptRoom:
 
     def exceeded(self, at_least: int) -> APIError:
         """The 400 :func:`open_generation` would give once the prompt were tokenized."""
-        asked = f" and {self.max_tokens} more were asked for" if self.max_tokens else ""
-        return APIError(400, f"this model's context is {self.context} tokens, but the prompt has at least "
-                        f"{at_least} tokens{asked}", param=self.param, code="context_length_exceeded")
+        return context_exceeded(self.context, f"at least {at_least}", self.max_tokens, self.param)
+
+
+def context_exceeded(context: int, prompt: str, max_tokens: int | None, param: str) -> APIError:
+    """The 400 for a prompt of ``prompt`` tokens that, with ``max_tokens`` (None: not given), does
+    not fit the context."""
+    if max_tokens and max_tokens >= context:
+        why = f"{max_tokens} tokens were asked for, which leaves no room for the prompt"
+    elif max_tokens:
+        why = f"the prompt has {prompt} tokens and {max_tokens} more were asked for"
+    else:
+        why = f"the prompt has {prompt} tokens, which leaves no room for an answer"
+    return APIError(400, f"this model's context is {context} tokens, but {why}", param=param,
+                    code="context_length_exceeded")
 
 
 def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_tokens: int | None,
@@ -46,11 +57,9 @@ def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingPara
                     prompt_param: str = "messages") -> Generation:
     """Queue the generation (``max_tokens`` None: up to the end of the context)."""
     context = worker.info.context_length
+    if len(prompt) + (max_tokens or 1) > context:
+        raise context_exceeded(context, str(len(prompt)), max_tokens, prompt_param)
     max_tokens = max_tokens or context - len(prompt)
-    if max_tokens < 1 or len(prompt) + max_tokens > context:
-        raise APIError(400, f"this model's context is {context} tokens, but the prompt has {len(prompt)} "
-                       f"tokens and {max_tokens} more were asked for", param=prompt_param,
-                       code="context_length_exceeded")
     job = GenerationRequest(prompt=prompt, params=params, max_tokens=max_tokens, stop=stop,
                             ignore_eos=ignore_eos)
     try:
