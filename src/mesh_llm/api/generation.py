@@ -56,10 +56,10 @@ def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingPara
                     stop: tuple[str, ...] = (), ignore_eos: bool = False,
                     prompt_param: str = "messages") -> Generation:
     """Queue the generation (``max_tokens`` None: up to the end of the context)."""
-    context = worker.info.context_length
-    if len(prompt) + (max_tokens or 1) > context:
-        raise context_exceeded(context, str(len(prompt)), max_tokens, prompt_param)
-    max_tokens = max_tokens or context - len(prompt)
+    room = PromptRoom.of(worker, max_tokens, prompt_param)
+    if len(prompt) > room.tokens:
+        raise context_exceeded(room.context, str(len(prompt)), max_tokens, prompt_param)
+    max_tokens = max_tokens or room.context - len(prompt)
     job = GenerationRequest(prompt=prompt, params=params, max_tokens=max_tokens, stop=stop,
                             ignore_eos=ignore_eos)
     try:
