@@ -748,7 +748,7 @@ conc-llama)
   cat "${results[@]}" > "$OUT/results.jsonl"
   logs_to_out logs.tar.gz
   python3 benchmarks/report_from_results.py "$OUT" "${summaries[@]}" "${results[@]}" \
-    --note "H200; random-weight Qwen2.5 shapes at float16; qwen2.5-0.5b at 1, 8 and 32 streams, qwen2.5-7b at 1 and 8; ${MAX_TOKENS:-256} tokens per request; see benchmarks/gpu_session.sh"
+    --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); random-weight Qwen2.5 shapes at float16; qwen2.5-0.5b at 1, 8 and 32 streams, qwen2.5-7b at 1 and 8; ${MAX_TOKENS:-256} tokens per request; see benchmarks/gpu_session.sh"
   ;;
 *)
   echo "unknown step $step"; exit 2 ;;

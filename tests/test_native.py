@@ -14,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
-from mesh_llm import native
+from mesh_llm import children, native
+from support import free_port, start_server
 
 SOURCE = '#include <sstream>\nextern "C" int describe(long v) { std::ostringstream s; s << v; return s.str().size(); }\n'
 
@@ -105,3 +107,63 @@ def test_the_early_load_can_be_turned_off(risky_build):
                           env={**os.environ, "LLAMA_CPP_LIB_PATH": str(risky_build), "MESH_LLM_LLAMA_FIRST": "0"},
                           timeout=120)
     assert done.stdout.split() == ["off", "False"], done.stderr
+
+
+def mapped(pid: int) -> str:
+    """The files a process has mapped (llama.cpp's libllama once llama_cpp is imported)."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_serve_starts_again_without_the_early_load_to_run_mlx(risky_build, tmp_path, monkeypatch):
+    """MLX crashed after a CUDA llama.cpp build loaded first (SIGSEGV in ``mx.load``, H100): a server
+    whose models all go to MLX replaces itself with a process that never loads llama.cpp."""
+    monkeypatch.delenv("MESH_LLM_LLAMA_FIRST", raising=False)
+    server = start_server(["--engine", "mlx"], tmp_path / "server.log", env={"LLAMA_CPP_LIB_PATH": str(risky_build)})
+    try:
+        assert "starting again without llama.cpp loaded first" in server.output()
+        assert "libggml-carrier.so" in server.output()  # the reason names the library
+        assert "/libllama" not in mapped(server.proc.pid)
+        reply = httpx.post(server.url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+                           "max_tokens": 3, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.stop()
+
+
+def test_serve_keeps_the_early_load_for_gguf_models(risky_build, tmp_path, monkeypatch):
+    monkeypatch.delenv("MESH_LLM_LLAMA_FIRST", raising=False)
+    server = start_server(["--engine", "llama"], tmp_path / "server.log", env={"LLAMA_CPP_LIB_PATH": str(risky_build)})
+    try:
+        assert "starting again" not in server.output()
+        assert "/libllama" in mapped(server.proc.pid)
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_both_engines_in_one_process_with_such_a_build(risky_build):
+    from mesh_llm.models import default_mlx_folder
+
+    folder = default_mlx_folder()  # served by the MLX engine; the default model by the llama engine
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(risky_build)}
+    env.pop("MESH_LLM_LLAMA_FIRST", None)
+    done = children.run([sys.executable, "-m", "mesh_llm", "serve", "--model", "default", "--model", str(folder),
+                         "--alias", "a", "--alias", "b", "--port", str(free_port())],
+                        capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "cannot share a process with MLX" in done.stderr
+    assert "starting again" not in done.stderr
+
+
+def test_the_mlx_engine_refuses_after_such_a_build(risky_build):
+    done = python("import mesh_llm\n"
+                  "from pathlib import Path\n"
+                  "from mesh_llm.engines import engine_class\n"
+                  "from mesh_llm.engines.base import EngineError, EngineOptions\n"
+                  "try:\n"
+                  "    engine_class('mlx').load(Path('no-such-model'), EngineOptions())\n"
+                  "except EngineError as e:\n"
+                  "    print('refused:', e)\n", risky_build)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "libggml-carrier.so" in done.stdout
+    assert "MESH_LLM_LLAMA_FIRST=0" in done.stdout

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mesh_llm import native
 from mesh_llm.bench.cli import bench_command
 
 app = typer.Typer(help="Serve LLMs from MLX and llama.cpp engines behind one OpenAI-compatible API.",
@@ -139,7 +140,7 @@ def serve(
                                          "the system's).", rich_help_panel="TLS"),
 ) -> None:
     """Serve models on an OpenAI-compatible API (http://HOST:PORT/v1)."""
-    from mesh_llm.serve import ServeConfig, StartupError
+    from mesh_llm.serve import Relaunch, ServeConfig, StartupError
     from mesh_llm.serve import serve as run
 
     setup_logging(log_level)
@@ -176,6 +177,8 @@ def serve(
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
+    except Relaunch as exc:
+        relaunch(str(exc))
     except StartupError as exc:
         fail(str(exc))
         code = 2
@@ -187,6 +190,13 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def relaunch(why: str) -> None:
+    """Run this command again in a process that can run MLX (mesh_llm/native.py)."""
+    console.print(f"starting again without llama.cpp loaded first: {why}", markup=False, highlight=False,
+                  soft_wrap=True)
+    native.relaunch_without_llama()
 
 
 def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, discover: bool,
@@ -278,6 +288,8 @@ def models_import_gguf(
         engine_class("mlx")  # the import uses MLX to read GGUF tensors
     except EngineError as exc:
         raise fail(str(exc)) from None
+    if problem := native.mlx_load_problem():
+        relaunch(problem)
     from mesh_llm.engines.mlx_blas import ensure_fast_blas
     from mesh_llm.models.gguf_convert import GGUFConvertError, import_gguf
 

@@ -18,6 +18,12 @@ So a process loads such a build before any C++ library: importing ``mesh_llm`` d
 engine refuses with a clear message, instead of crashing, when it would be loaded too late. Builds
 that keep libstdc++ to itself (CPU builds, Metal) are left alone and cost nothing but a symbol check.
 ``MESH_LLM_LLAMA_FIRST=0`` turns the early load off, for a process that will not serve GGUF models.
+
+The early load has a price: MLX cannot run after such a build either. On an H100 with llama-cpp-python
+0.3.36's CUDA build and MLX's CUDA build, ``mx.load`` of a safetensors file died with SIGSEGV in a
+process that had loaded llama.cpp first (a matmul did not). So a process that is to run MLX must not
+have loaded it: ``mesh-llm serve`` starts itself again without the early load when its models all go
+to MLX, and refuses to put both engines in one process with such a build.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 # libstdc++'s locale facet ids, in the new and old string ABI: defined by a library that carries a copy
 FACET_IDS = frozenset({"_ZNSt7__cxx118numpunctIcE2idE", "_ZNSt8numpunctIcE2idE"})
 
 _state: str | None = None  # "safe", "first", "late:<library>", or "off"
+_carrier: Path | None = None  # the first library found that carries libstdc++
 
 
 def library_dir() -> Path | None:
@@ -88,7 +96,7 @@ def cxx_runtime_loaded() -> bool:
 
 def prepare_llama() -> None:
     """Load a llama.cpp build that carries libstdc++ before anything else can (once per process)."""
-    global _state
+    global _state, _carrier
     if _state is not None:
         return
     if os.environ.get("MESH_LLM_LLAMA_FIRST") == "0" or not sys.platform.startswith("linux"):
@@ -97,6 +105,7 @@ def prepare_llama() -> None:
     folder = library_dir()
     risky = [lib for lib in sorted(folder.glob("libggml*.so*")) if not lib.is_symlink()
              and carries_cxx_runtime(lib)] if folder is not None and folder.is_dir() else []
+    _carrier = risky[0] if risky else None
     if not risky:
         _state = "safe"
     elif "llama_cpp.llama_cpp" in sys.modules:
@@ -112,6 +121,24 @@ def prepare_llama() -> None:
 def loaded_first() -> bool:
     """Whether this process loaded a llama.cpp build that carries libstdc++ ahead of the rest."""
     return _state == "first"
+
+
+def mlx_load_problem() -> str | None:
+    """Why MLX must not run in this process, or None."""
+    if not loaded_first():
+        return None
+    return (f"this process loaded {_carrier} first, which carries its own copy of libstdc++'s locale "
+            "objects, and MLX's C++ code crashes after it; start the process with MESH_LLM_LLAMA_FIRST=0 "
+            "to run MLX in it (mesh-llm serve does so by itself)")
+
+
+def relaunch_without_llama() -> NoReturn:
+    """Replace this process with a fresh run of its own command line that does not load llama.cpp
+    first: the same pid, arguments and open files, so a supervisor sees one process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+              {**os.environ, "MESH_LLM_LLAMA_FIRST": "0"})
 
 
 def llama_load_problem() -> str | None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from mesh_llm import native
 from mesh_llm.engines import choose_engine, engine_class
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.runtime.worker import ModelWorker
@@ -71,11 +72,14 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     refs = config.models or ["default"]
     if len(config.aliases) > len(refs):
         raise StartupError(f"{len(config.aliases)} --alias flags for {len(refs)} models")
+    try:
+        chosen = [(spec, *choose_engine(spec.formats, config.engine)) for spec in map(resolve, refs)]
+    except (ModelNotFound, BadModel, EngineError) as exc:
+        raise StartupError(str(exc)) from None
+    check_load_order({engine for _, engine, _, _ in chosen})  # before MLX runs, even to import a model
     plans = []
-    for i, ref in enumerate(refs):
+    for i, (spec, engine, fmt, why) in enumerate(chosen):
         try:
-            spec = resolve(ref)
-            engine, fmt, why = choose_engine(spec.formats, config.engine)
             path = model_path(spec, fmt, progress)  # imports the default model's MLX form once
         except (ModelNotFound, BadModel, EngineError) as exc:
             raise StartupError(str(exc)) from None
@@ -85,6 +89,25 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     if len(set(ids)) != len(ids):
         raise StartupError(f"two models would be served under the same id: {ids}; use --alias")
     return plans
+
+
+class Relaunch(StartupError):
+    """This process cannot run MLX (native.py), but the same command in a fresh one can: the CLI
+    starts it again with ``native.relaunch_without_llama``."""
+
+
+def check_load_order(engines: set[str]) -> None:
+    """MLX cannot run in a process that loaded a libstdc++-carrying llama.cpp build first, and such a
+    build cannot load after MLX: one process serves one of the two."""
+    problem = native.mlx_load_problem() if "mlx" in engines else None
+    if problem is None:
+        return
+    if "llama" in engines:
+        raise StartupError("this llama.cpp build cannot share a process with MLX (it carries its own "
+                           "libstdc++, and whichever of the two loads second crashes): serve the GGUF "
+                           "models and the MLX ones from two mesh-llm serve processes (join them with "
+                           "--mesh to serve them under one API)")
+    raise Relaunch(problem)
 
 
 def bind(host: str, port: int) -> socket.socket:

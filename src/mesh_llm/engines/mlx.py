@@ -37,6 +37,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mesh_llm import native
 from mesh_llm.engines import mlx_attention
 from mesh_llm.engines.base import (
     PREFILL_STEP,
@@ -215,6 +216,8 @@ class MLXEngine(Engine):
 
     @classmethod
     def load(cls, path: Path, options: EngineOptions, progress=None) -> MLXEngine:
+        if problem := native.mlx_load_problem():  # MLX would crash here (SIGSEGV): say why instead
+            raise EngineError(problem)
         threads = options.threads or physical_cores()
         set_blas_threads(threads)
         kernels = cuda_settings()
