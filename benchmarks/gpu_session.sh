@@ -711,6 +711,30 @@ startup-both)  # after the concurrency runs: `mesh-llm serve` started afresh (be
   done
   llama_server_starts
   ;;
+mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and the MLX install: the MLX
+  # engine where llama-cpp-python's CUDA build is importable too (src/mesh_llm/native.py). `mesh-llm
+  # serve --engine mlx` must start itself again without llama.cpp loaded first and serve; the two
+  # engines in one process must be refused; then the matrix, mesh-mlx beside llama-server in one bench
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
+  llama_env
+  wait_model qwen2.5-0.5b
+  port=$((20000 + RANDOM % 20000))
+  timeout 120 python3 -m mesh_llm serve --engine mlx --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 \
+    --port $port > "$OUT/mlx-beside-llama.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+  curl -s "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
+    -d '{"model": "qwen2.5-0.5b-mlx", "prompt": "Hello", "max_tokens": 8, "ignore_eos": true}' | head -c 300; echo
+  echo "libllama mapped in the server: $(grep -c libllama "/proc/$pid/maps")"
+  kill -INT $pid; wait $pid; echo "server exit $?"
+  grep -E "starting again|ready|Fatal" "$OUT/mlx-beside-llama.log" | cut -c1-300
+  timeout 120 python3 -m mesh_llm serve --model "$models/qwen2.5-0.5b.gguf" --model "$models/qwen2.5-0.5b-mlx" \
+    --port $((port + 1)) 2>&1 | tail -2 | cut -c1-300; echo "both engines: exit ${PIPESTATUS[0]}"
+  mkdir -p "$conc"
+  LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
+  [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx,llama-server 300
+  [ "${SKIP_CONC:-0}" = 1 ] || [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 mesh-mlx,llama-server 200
+  ;;
 conc-mlx)
   mlx_env
   mkdir -p "$conc"
