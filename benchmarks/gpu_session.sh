@@ -183,7 +183,10 @@ logs_to_out() {  # every server log and bench log so far, as one file
 
 case $step in
 build)
-  mkdir -p /tmp/vocab /tmp/dl/.device "$models" && cp .device/llama/ggml-vocab-qwen2.gguf /tmp/vocab/
+  mkdir -p /tmp/vocab /tmp/dl/.device "$models"
+  if [ -f .device/llama/ggml-vocab-qwen2.gguf.xz ]; then  # xz'd since 2026-12-06: the tree grew past 64 MiB
+    xz -dc .device/llama/ggml-vocab-qwen2.gguf.xz > /tmp/vocab/ggml-vocab-qwen2.gguf
+  else cp .device/llama/ggml-vocab-qwen2.gguf /tmp/vocab/; fi
   cp -r .device/llama /tmp/dl/.device/llama
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/llama/gguf-*.whl \
     .device/llama/diskcache-*.whl
@@ -726,10 +729,11 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
   curl -s "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
     -d '{"model": "qwen2.5-0.5b-mlx", "prompt": "Hello", "max_tokens": 8, "ignore_eos": true}' | head -c 300; echo
   echo "libllama mapped in the server: $(grep -c libllama "/proc/$pid/maps")"
-  kill -INT $pid; wait $pid; echo "server exit $?"
+  kill -INT $pid; rc=0; wait $pid || rc=$?; echo "server exit $rc"
   grep -E "starting again|ready|Fatal" "$OUT/mlx-beside-llama.log" | cut -c1-300
-  timeout 120 python3 -m mesh_llm serve --model "$models/qwen2.5-0.5b.gguf" --model "$models/qwen2.5-0.5b-mlx" \
-    --port $((port + 1)) 2>&1 | tail -2 | cut -c1-300; echo "both engines: exit ${PIPESTATUS[0]}"
+  rc=0; timeout 120 python3 -m mesh_llm serve --model "$models/qwen2.5-0.5b.gguf" \
+    --model "$models/qwen2.5-0.5b-mlx" --port $((port + 1)) > "$OUT/both-engines.log" 2>&1 || rc=$?
+  tail -2 "$OUT/both-engines.log" | cut -c1-300; echo "both engines: exit $rc"
   mkdir -p "$conc"
   LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
   [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx,llama-server 300

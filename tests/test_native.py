@@ -167,3 +167,13 @@ def test_the_mlx_engine_refuses_after_such_a_build(risky_build):
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "libggml-carrier.so" in done.stdout
     assert "MESH_LLM_LLAMA_FIRST=0" in done.stdout
+
+
+def test_import_gguf_starts_again_without_the_early_load(risky_build, tmp_path, default_gguf):
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(risky_build)}
+    env.pop("MESH_LLM_LLAMA_FIRST", None)
+    done = children.run([sys.executable, "-m", "mesh_llm", "models", "import-gguf", str(default_gguf),
+                         str(tmp_path / "out")], capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "starting again without llama.cpp loaded first" in done.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
