@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.gpu("llama")
@@ -132,3 +133,50 @@ def test_on_the_gpu_a_stream_per_sequence_keeps_every_sequence_what_it_is_alone(
                           timeout=600)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     print(done.stdout.strip().splitlines()[-1])
+
+
+MLX_LOAD = textwrap.dedent("""
+    import sys
+    import mesh_llm
+    from pathlib import Path
+    from mesh_llm.engines.base import EngineError, EngineOptions
+    from mesh_llm.engines.mlx import MLXEngine
+    try:
+        MLXEngine.load(Path(sys.argv[1]), EngineOptions(ctx_size=256, warm_up=False))
+        print("loaded")
+    except EngineError as exc:
+        print("refused:", exc)
+""")
+
+
+@pytest.fixture
+def mlx_folder():
+    folder = os.environ.get("MESH_LLM_GPU_MODEL")
+    if not folder:
+        pytest.skip("set MESH_LLM_GPU_MODEL to an MLX model folder")
+    if subprocess.run([sys.executable, "-c", "import mlx.core"], capture_output=True).returncode != 0:
+        pytest.skip("MLX is not installed here")
+    return folder
+
+
+def test_mlx_loads_or_says_why_after_this_build_was_loaded_first(mlx_folder):
+    """A build that carries libstdc++, loaded first by `import mesh_llm`, made MLX's safetensors
+    reader die with SIGSEGV (H100, 2026-12-06); the engine now refuses with the reason."""
+    done = subprocess.run([sys.executable, "-c", MLX_LOAD, mlx_folder], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-3000:]}"
+    print(done.stdout.strip()[:200])
+
+
+def test_mlx_serves_beside_this_build(mlx_folder, tmp_path):
+    """`mesh-llm serve --engine mlx` where this build is importable: a process that never loads it."""
+    from support import start_server
+
+    server = start_server(["--engine", "mlx", "--model", mlx_folder, "--ctx-size", "1024"], tmp_path / "log")
+    try:
+        reply = httpx.post(server.url + "/v1/completions", json={
+            "model": os.path.basename(mlx_folder.rstrip("/")), "prompt": "Hello", "max_tokens": 4,
+            "ignore_eos": True}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert "/libllama" not in open(f"/proc/{server.proc.pid}/maps").read()
+    finally:
+        server.stop()
