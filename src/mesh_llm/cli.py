@@ -177,8 +177,8 @@ def serve(
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
-    except Relaunch as exc:
-        relaunch(str(exc))
+    except Relaunch:  # this process cannot run MLX; the same command in a fresh one can
+        native.relaunch_without_llama()
     except StartupError as exc:
         fail(str(exc))
         code = 2
@@ -190,13 +190,6 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def relaunch(why: str) -> None:
-    """Run this command again in a process that can run MLX (mesh_llm/native.py)."""
-    console.print(f"starting again without llama.cpp loaded first: {why}", markup=False, highlight=False,
-                  soft_wrap=True)
-    native.relaunch_without_llama()
 
 
 def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, discover: bool,
@@ -288,8 +281,8 @@ def models_import_gguf(
         engine_class("mlx")  # the import uses MLX to read GGUF tensors
     except EngineError as exc:
         raise fail(str(exc)) from None
-    if problem := native.mlx_load_problem():
-        relaunch(problem)
+    if native.mlx_load_problem():
+        native.relaunch_without_llama()
     from mesh_llm.engines.mlx_blas import ensure_fast_blas
     from mesh_llm.models.gguf_convert import GGUFConvertError, import_gguf
 

@@ -136,7 +136,8 @@ def relaunch_without_llama() -> NoReturn:
     """Replace this process with a fresh run of its own command line that does not load llama.cpp
     first: the same pid, arguments and open files, so a supervisor sees one process."""
     sys.stdout.flush()
-    sys.stderr.flush()
+    print(f"starting again without llama.cpp loaded first: {_carrier} carries its own libstdc++, and "
+          "MLX crashes after it", file=sys.stderr, flush=True)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
               {**os.environ, "MESH_LLM_LLAMA_FIRST": "0"})
 
