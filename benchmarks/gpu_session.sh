@@ -30,6 +30,11 @@
 #      .device/v/pyelftools-*.whl into .device/elf/, then carry [".device/elf"] in step 5
 #      (2026-12-04: the MLX runs of 3 overlap the build of 1 and come out about half as fast; run
 #      them again on a quiet machine, or after 5)
+#   or, after 1, 2 and the MLX install (carry [".device/b"]: source .device/b/install-mlx.sh):
+#   3. carry [".device/x", ".device/elf"]  bash benchmarks/gpu_session.sh mlx-beside-llama  # mesh-mlx
+#      where the CUDA llama.cpp is importable (it restarts without it), both engines refused in one
+#      process, then mesh-mlx beside llama-server in one bench (0.5B 1,8,32 and 7B 1,8; SKIP_7B=1)
+#      (2026-12-06: the tree with .device/llama passed 64 MiB; its vocabulary travels xz'd)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
 # or the twelfth session's order (the matrix on one machine, the build first, then MLX):
