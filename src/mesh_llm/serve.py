@@ -80,6 +80,7 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     plans = []
     for i, (spec, engine, fmt, why) in enumerate(chosen):
         try:
+            engine_class(engine)  # imported now: a broken install stops the start here, in one line
             path = model_path(spec, fmt, progress)  # imports the default model's MLX form once
         except (ModelNotFound, BadModel, EngineError) as exc:
             raise StartupError(str(exc)) from None

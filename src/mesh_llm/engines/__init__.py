@@ -31,15 +31,22 @@ def is_installed(name: str) -> bool:
         return False
 
 
-def engine_class(name: str) -> type[Engine]:
-    """The engine class for ``name``; :class:`EngineUnavailable` names the extra to install."""
+def require(name: str) -> None:
+    """Raise :class:`EngineUnavailable`, naming the extra to install, unless ``name`` is a known
+    engine whose dependency is installed (nothing is imported)."""
     if name not in _ENGINES:
         raise EngineUnavailable(f"unknown engine {name!r}; choose one of: {', '.join(_ENGINES)}")
-    module, cls, extra, dependency = _ENGINES[name]
+    _, _, extra, dependency = _ENGINES[name]
     if not is_installed(name):
         raise EngineUnavailable(
             f"the {name} engine needs the '{dependency}' package: pip install 'mesh-llm[{extra}]'"
         )
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine class for ``name``; :class:`EngineUnavailable` names the extra to install."""
+    require(name)
+    module, cls, extra, _ = _ENGINES[name]
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as exc:  # installed but broken, e.g. a native library that fails to load
@@ -48,7 +55,9 @@ def engine_class(name: str) -> type[Engine]:
 
 
 def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str, str, str]:
-    """Pick (engine, format, why) for a model available in ``forms`` ("gguf", "safetensors").
+    """Pick (engine, format, why) for a model available in ``forms`` ("gguf", "safetensors"), from
+    what is installed, importing no engine: the caller may yet have to start again before one can
+    load (``mesh_llm/native.py``), and MLX's import alone took over a second on the GPU host.
 
     A model in both forms goes to the engine measured faster: llama.cpp, on this CPU (its quantized
     kernels; MLX has none on a CPU) and on the H200 up to about 32 streams (the Qwen2.5-0.5B shape
@@ -61,20 +70,20 @@ def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str,
                 "the llama engine needs a GGUF file; convert this folder with llama.cpp's "
                 "convert_hf_to_gguf.py (python convert_hf_to_gguf.py FOLDER --outfile model.gguf), "
                 "or serve it with --engine mlx")
-        engine_class("llama")
+        require("llama")
         return "llama", "gguf", "asked for with --engine llama"
     if requested == "mlx":
-        engine_class("mlx")
+        require("mlx")
         fmt = "safetensors" if "safetensors" in forms else "gguf"
         return "mlx", fmt, "asked for with --engine mlx"
     if requested != "auto":
-        engine_class(requested)  # raises: unknown engine
+        require(requested)  # raises: unknown engine
     if len(forms) > 1 and is_installed("llama") and "gguf" in forms:
         return "llama", "gguf", "available as GGUF and MLX; llama.cpp is the faster engine measured here"
     if "safetensors" in forms:
-        engine_class("mlx")
+        require("mlx")
         return "mlx", "safetensors", "a safetensors model folder"
     if is_installed("llama") or not is_installed("mlx"):
-        engine_class("llama")
+        require("llama")
         return "llama", "gguf", "a GGUF file"
     return "mlx", "gguf", "a GGUF file, and only the mlx engine is installed"
