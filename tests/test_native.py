@@ -170,3 +170,19 @@ def test_import_gguf_starts_again_without_the_early_load(risky_build, tmp_path, 
     assert done.returncode == 0, done.stderr
     assert "starting again without llama.cpp loaded first" in done.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_llama_build_that_cannot_load_stops_the_start_in_one_line(tmp_path):
+    """A folder whose library carries libstdc++ but holds no libllama: `import mesh_llm` tried to
+    load it first and raised FileNotFoundError, and the engine's import did the same, as tracebacks."""
+    folder = tmp_path / "lib"
+    folder.mkdir()
+    build(tmp_path, "libggml-carrier.so", static=True).rename(folder / "libggml-carrier.so")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(folder)}
+    env.pop("MESH_LLM_LLAMA_FIRST", None)
+    done = children.run([sys.executable, "-m", "mesh_llm", "serve", "--engine", "llama", "--port", str(free_port())],
+                        capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "the llama engine cannot be imported" in done.stderr
+    assert f"LLAMA_CPP_LIB_PATH ({folder}) must name a folder" in done.stderr

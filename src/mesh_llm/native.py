@@ -113,8 +113,11 @@ def prepare_llama() -> None:
     elif cxx_runtime_loaded():
         _state = f"late:{risky[0]}"
     else:
-        import llama_cpp.llama_cpp  # noqa: F401 - the point: its libraries before any other C++ one
-
+        try:
+            import llama_cpp.llama_cpp  # noqa: F401 - the point: its libraries before any other C++ one
+        except (ImportError, OSError, RuntimeError):
+            _state = "safe"  # nothing loaded; the llama engine's own import says what is wrong
+            return
         _state = "first"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Collection
 
 from mesh_llm.engines.base import Engine, EngineUnavailable
@@ -49,9 +50,13 @@ def engine_class(name: str) -> type[Engine]:
     module, cls, extra, _ = _ENGINES[name]
     try:
         return getattr(importlib.import_module(module), cls)
-    except ImportError as exc:  # installed but broken, e.g. a native library that fails to load
-        raise EngineUnavailable(f"the {name} engine cannot be imported ({exc}); reinstall it: "
-                                f"pip install --force-reinstall 'mesh-llm[{extra}]'") from None
+    # installed but broken: llama-cpp-python raises FileNotFoundError or RuntimeError for a native
+    # library it cannot find or load (a wrong LLAMA_CPP_LIB_PATH, a build for another CPU)
+    except (ImportError, OSError, RuntimeError) as exc:
+        where = os.environ.get("LLAMA_CPP_LIB_PATH") if name == "llama" else None
+        fix = (f"LLAMA_CPP_LIB_PATH ({where}) must name a folder holding llama.cpp's libraries" if where
+               else f"reinstall it: pip install --force-reinstall 'mesh-llm[{extra}]'")
+        raise EngineUnavailable(f"the {name} engine cannot be imported ({exc}); {fix}") from None
 
 
 def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str, str, str]:
