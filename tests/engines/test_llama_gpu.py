@@ -154,7 +154,7 @@ def mlx_folder():
     folder = os.environ.get("MESH_LLM_GPU_MODEL")
     if not folder:
         pytest.skip("set MESH_LLM_GPU_MODEL to an MLX model folder")
-    if subprocess.run([sys.executable, "-c", "import mlx.core"], capture_output=True).returncode != 0:
+    if subprocess.run([sys.executable, "-c", "import mlx.core"], capture_output=True, check=False).returncode:
         pytest.skip("MLX is not installed here")
     return folder
 
@@ -162,7 +162,8 @@ def mlx_folder():
 def test_mlx_loads_or_says_why_after_this_build_was_loaded_first(mlx_folder):
     """A build that carries libstdc++, loaded first by `import mesh_llm`, made MLX's safetensors
     reader die with SIGSEGV (H100, 2026-12-06); the engine now refuses with the reason."""
-    done = subprocess.run([sys.executable, "-c", MLX_LOAD, mlx_folder], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", MLX_LOAD, mlx_folder], capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-3000:]}"
     print(done.stdout.strip()[:200])
 
@@ -177,6 +178,6 @@ def test_mlx_serves_beside_this_build(mlx_folder, tmp_path):
             "model": os.path.basename(mlx_folder.rstrip("/")), "prompt": "Hello", "max_tokens": 4,
             "ignore_eos": True}, timeout=120)
         assert reply.status_code == 200, reply.text
-        assert "/libllama" not in open(f"/proc/{server.proc.pid}/maps").read()
+        assert "/libllama" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
     finally:
         server.stop()
