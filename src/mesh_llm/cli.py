@@ -83,7 +83,8 @@ def serve(
     port: int = typer.Option(9337, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, envvar="MESH_LLM_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
-    ctx_size: Optional[int] = typer.Option(None, help="Context length (default: the model's own)."),
+    ctx_size: Optional[int] = typer.Option(None, help="Context length (default or 0: the model's own, "
+                                           "fitted to memory)."),
     quantize: Optional[int] = typer.Option(None, help="4 or 8: quantize on load (MLX on a GPU)."),
     alias: list[str] = typer.Option([], help="Id to serve each --model under, in order."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: physical cores)."),
@@ -148,6 +149,12 @@ def serve(
         raise fail(f"--engine must be auto, mlx or llama, not {engine!r}")
     if quantize not in (None, 4, 8):
         raise fail("--quantize must be 4 or 8")
+    if ctx_size is not None and ctx_size < 0:
+        raise fail("--ctx-size must be a token count, or 0 for the model's own")
+    if threads is not None and threads < 1:
+        raise fail("--threads must be at least 1")
+    if max_queue < 0 or cache_entries < 0:
+        raise fail(f"--{'max-queue' if max_queue < 0 else 'cache-entries'} must be 0 or more")
     if max_batch is not None and max_batch < 1:
         raise fail("--max-batch must be at least 1")
     if prefill_step is not None and prefill_step < 16:

@@ -65,7 +65,8 @@ def test_llama_engine_on_safetensors_says_how_to_convert(tmp_path):
 
 
 @pytest.mark.parametrize("flag", [["--engine", "tensorrt"], ["--quantize", "3"], ["--max-batch", "0"],
-                                  ["--prefill-step", "8"]])
+                                  ["--prefill-step", "8"], ["--ctx-size", "-5"], ["--threads", "0"],
+                                  ["--max-queue", "-1"], ["--cache-entries", "-1"]])
 def test_bad_flag_values(flag):
     result = mesh("serve", *flag, "--port", str(free_port()))
     assert result.returncode == 2
