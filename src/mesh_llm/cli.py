@@ -153,8 +153,10 @@ def serve(
         raise fail("--ctx-size must be a token count, or 0 for the model's own")
     if threads is not None and threads < 1:
         raise fail("--threads must be at least 1")
-    if max_queue < 0 or cache_entries < 0:
-        raise fail(f"--{'max-queue' if max_queue < 0 else 'cache-entries'} must be 0 or more")
+    if max_queue < 0:
+        raise fail("--max-queue must be 0 or more")
+    if cache_entries < 0:
+        raise fail("--cache-entries must be 0 or more")
     if max_batch is not None and max_batch < 1:
         raise fail("--max-batch must be at least 1")
     if prefill_step is not None and prefill_step < 16:
@@ -284,12 +286,12 @@ def models_import_gguf(
 
     if dtype not in (None, "bfloat16", "float32", "float16"):
         raise fail("--dtype must be bfloat16, float16 or float32")
+    if native.mlx_load_problem():  # before MLX is imported: the fresh process imports it
+        native.relaunch_without_llama()
     try:
         engine_class("mlx")  # the import uses MLX to read GGUF tensors
     except EngineError as exc:
         raise fail(str(exc)) from None
-    if native.mlx_load_problem():
-        native.relaunch_without_llama()
     from mesh_llm.engines.mlx_blas import ensure_fast_blas
     from mesh_llm.models.gguf_convert import GGUFConvertError, import_gguf
 

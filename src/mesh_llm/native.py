@@ -38,7 +38,7 @@ from typing import NoReturn
 # libstdc++'s locale facet ids, in the new and old string ABI: defined by a library that carries a copy
 FACET_IDS = frozenset({"_ZNSt7__cxx118numpunctIcE2idE", "_ZNSt8numpunctIcE2idE"})
 
-_state: str | None = None  # "safe", "first", "late:<library>", or "off"
+_state: str | None = None  # "safe", "first", "late", or "off"
 _carrier: Path | None = None  # the first library found that carries libstdc++
 
 
@@ -111,7 +111,7 @@ def prepare_llama() -> None:
     elif "llama_cpp.llama_cpp" in sys.modules:
         _state = "first"  # loaded by someone else: whether early enough, the load will tell
     elif cxx_runtime_loaded():
-        _state = f"late:{risky[0]}"
+        _state = "late"
     else:
         try:
             import llama_cpp.llama_cpp  # noqa: F401 - the point: its libraries before any other C++ one
@@ -147,9 +147,8 @@ def relaunch_without_llama() -> NoReturn:
 
 def llama_load_problem() -> str | None:
     """Why the llama engine must not load in this process, or None."""
-    if _state is None or not _state.startswith("late:"):
+    if _state != "late":
         return None
-    library = _state.removeprefix("late:")
-    return (f"{library} carries its own copy of libstdc++'s locale objects and crashes when another "
+    return (f"{_carrier} carries its own copy of libstdc++'s locale objects and crashes when another "
             "C++ library (numpy, MLX) was loaded first; import mesh_llm before those (mesh-llm serve "
             "does), or rebuild llama-cpp-python so that its CUDA library keeps them hidden")
