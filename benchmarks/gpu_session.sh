@@ -33,7 +33,9 @@
 #   or, after 1, 2 and the MLX install (carry [".device/b"]: source .device/b/install-mlx.sh):
 #   3. carry [".device/x", ".device/elf"]  bash benchmarks/gpu_session.sh mlx-beside-llama  # mesh-mlx
 #      where the CUDA llama.cpp is importable (it restarts without it), both engines refused in one
-#      process, then mesh-mlx beside llama-server in one bench (0.5B 1,8,32 and 7B 1,8; SKIP_7B=1)
+#      process, then mesh-mlx beside llama-server in one bench (0.5B 1,8,32 and 7B 1,8; SKIP_7B=1,
+#      SKIP_05=1, SKIP_CONC=1; BESIDE_BACKENDS=mesh-mlx,llama-server,mesh-llama for all three; GPU_TESTS=1
+#      runs tests/engines/test_llama_gpu.py first, RESTART_TIMES=1 times the restart against none)
 #      (2026-12-06: the tree with .device/llama passed 64 MiB; its vocabulary travels xz'd)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
@@ -739,10 +741,35 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
   rc=0; timeout 120 python3 -m mesh_llm serve --model "$models/qwen2.5-0.5b.gguf" \
     --model "$models/qwen2.5-0.5b-mlx" --port $((port + 1)) > "$OUT/both-engines.log" 2>&1 || rc=$?
   tail -2 "$OUT/both-engines.log" | cut -c1-300; echo "both engines: exit $rc"
+  if [ "${GPU_TESTS:-0}" = 1 ]; then  # the llama engine's GPU tests, MLX's two beside it among them
+    MESH_LLM_GPU_GGUF=$models/qwen2.5-0.5b.gguf MESH_LLM_GPU_MODEL=$models/qwen2.5-0.5b-mlx timeout 400 \
+      python3 -m pytest -q -s -p no:cacheprovider tests/engines/test_llama_gpu.py 2>&1 | tail -25 || true
+  fi
+  if [ "${RESTART_TIMES:-0}" = 1 ]; then  # what the restart costs: started with llama.cpp loaded first
+    # (it starts again) against MESH_LLM_LLAMA_FIRST=0 from the start, alternated
+    for _ in 1 2; do
+      timeout 100 python3 benchmarks/startup.py --runs 2 --label "mlx, restarted" -- --engine mlx \
+        --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
+      MESH_LLM_LLAMA_FIRST=0 timeout 100 python3 benchmarks/startup.py --runs 2 --label "mlx, no early load" -- \
+        --engine mlx --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
+    done
+  fi
   mkdir -p "$conc"
   LLAMA_SERVER=/tmp/llama-cuda/bin/llama-server
-  [ "${SKIP_CONC:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" mesh-mlx,llama-server 300
-  [ "${SKIP_CONC:-0}" = 1 ] || [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 mesh-mlx,llama-server 200
+  backends=${BESIDE_BACKENDS:-mesh-mlx,llama-server}
+  [ "${SKIP_CONC:-0}" = 1 ] || [ "${SKIP_05:-0}" = 1 ] || run_conc qwen2.5-0.5b "${LEVELS_05:-1,8,32}" "$backends" "${BUDGET_05:-300}"
+  [ "${SKIP_CONC:-0}" = 1 ] || [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 "$backends" "${BUDGET_7B:-200}"
+  if [ "${SKIP_CONC:-0}" != 1 ]; then  # this step's benches as one report
+    mapfile -t runs < <(ls -d "$conc"/*-mlx-beside-llama 2>/dev/null)
+    summaries=() results=()
+    for d in "${runs[@]}"; do
+      [ -f "$d/summary.json" ] && summaries+=(--settings-from "$d/summary.json")
+      [ -f "$d/results.jsonl" ] && results+=("$d/results.jsonl")
+    done
+    [ ${#results[@]} = 0 ] || python3 benchmarks/report_from_results.py "$OUT/report" "${summaries[@]}" "${results[@]}" \
+      --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); random-weight Qwen2.5 shapes at float16; ${MAX_TOKENS:-256} tokens per request; benchmarks/gpu_session.sh mlx-beside-llama" || true
+    logs_to_out beside-logs.tar.gz
+  fi
   ;;
 conc-mlx)
   mlx_env
