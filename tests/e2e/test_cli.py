@@ -73,6 +73,17 @@ def test_bad_flag_values(flag):
     assert flag[0] in one_error_line(result)
 
 
+def test_the_command_imports_the_benchmark_runners_only_to_run_them():
+    """Every `mesh-llm` command imports the CLI, and a restart for MLX (mesh_llm/native.py) imports it
+    only to start again: the bench's runners (httpx, numpy, its tokenizer) wait for `mesh-llm bench`."""
+    code = ("import sys, mesh_llm.cli\n"
+            "print([m for m in ('httpx', 'numpy', 'mesh_llm.bench.runner', 'mesh_llm.bench.concurrency') "
+            "if m in sys.modules])")
+    done = children.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_models_list_shows_the_default():
     result = mesh("models", "list")
     assert result.returncode == 0, result.stderr

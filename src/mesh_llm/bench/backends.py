@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
-
 from mesh_llm import children
 
 # mlx_lm.server with OpenBLAS interposed the way mesh-llm does it on Linux, so that the comparison
@@ -204,6 +202,8 @@ class Server:
             return ""
 
     def _until(self, probe, what: str) -> float:
+        import httpx  # here, not at the top: `mesh-llm` imports this module for --help, and serve never needs it
+
         last, timeout = "", self.settings.startup_timeout
         while time.perf_counter() - self.started < timeout:
             if not self.alive():
@@ -217,6 +217,8 @@ class Server:
         raise BackendError(f"no {what} within {timeout:.0f} s ({last}):\n{self.log_tail()}")
 
     def _models_listed(self) -> bool:
+        import httpx
+
         r = httpx.get(self.url + "/v1/models", timeout=5)
         if r.status_code != 200:
             return False
@@ -227,6 +229,8 @@ class Server:
     def _completes(self) -> bool:
         body = {"model": self.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                 "temperature": 0}
+        import httpx
+
         return httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600).status_code == 200
 
 

