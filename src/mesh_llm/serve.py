@@ -16,7 +16,7 @@ import uvicorn
 
 from mesh_llm import native
 from mesh_llm.engines import choose_engine, engine_class
-from mesh_llm.engines.base import EngineError, EngineOptions
+from mesh_llm.engines.base import Engine, EngineError, EngineOptions
 from mesh_llm.runtime.worker import ModelWorker
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class Plan:
     format: str
     engine: str
     reason: str
+    engine_class: type[Engine]
 
 
 def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
@@ -80,12 +81,12 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     plans = []
     for i, (spec, engine, fmt, why) in enumerate(chosen):
         try:
-            engine_class(engine)  # imported now: a broken install stops the start here, in one line
+            cls = engine_class(engine)  # imported now: a broken install stops the start here, in one line
             path = model_path(spec, fmt, progress)  # imports the default model's MLX form once
         except (ModelNotFound, BadModel, EngineError) as exc:
             raise StartupError(str(exc)) from None
         model_id = config.aliases[i] if i < len(config.aliases) else spec.name
-        plans.append(Plan(model_id, Path(path), fmt, engine, why))
+        plans.append(Plan(model_id, Path(path), fmt, engine, why, cls))
     ids = [p.id for p in plans]
     if len(set(ids)) != len(ids):
         raise StartupError(f"two models would be served under the same id: {ids}; use --alias")
@@ -138,10 +139,9 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
                             prefill_step=config.prefill_step)
     workers = []
     for plan in plans:
-        cls = engine_class(plan.engine)
         progress = progress_factory(plan) if progress_factory else None
-        worker = ModelWorker(plan.id, lambda cls=cls, plan=plan, progress=progress:
-                             cls.load(plan.path, options, progress), max_queue=config.max_queue)
+        worker = ModelWorker(plan.id, lambda plan=plan, progress=progress:
+                             plan.engine_class.load(plan.path, options, progress), max_queue=config.max_queue)
         worker.start()
         workers.append(worker)
     return workers

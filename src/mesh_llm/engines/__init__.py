@@ -13,10 +13,11 @@ from collections.abc import Collection
 
 from mesh_llm.engines.base import Engine, EngineUnavailable
 
-# name -> (module, class, the pip extra that installs its dependency, the module that extra provides)
-_ENGINES: dict[str, tuple[str, str, str, str]] = {
-    "mlx": ("mesh_llm.engines.mlx", "MLXEngine", "mlx", "mlx"),
-    "llama": ("mesh_llm.engines.llama", "LlamaEngine", "llama", "llama_cpp"),
+# name -> (module, class, the pip extra that installs its dependency, the module that extra provides,
+# the environment variable that points the dependency at its native libraries, if it has one)
+_ENGINES: dict[str, tuple[str, str, str, str, str | None]] = {
+    "mlx": ("mesh_llm.engines.mlx", "MLXEngine", "mlx", "mlx", None),
+    "llama": ("mesh_llm.engines.llama", "LlamaEngine", "llama", "llama_cpp", "LLAMA_CPP_LIB_PATH"),
 }
 
 
@@ -37,7 +38,7 @@ def require(name: str) -> None:
     engine whose dependency is installed (nothing is imported)."""
     if name not in _ENGINES:
         raise EngineUnavailable(f"unknown engine {name!r}; choose one of: {', '.join(_ENGINES)}")
-    _, _, extra, dependency = _ENGINES[name]
+    _, _, extra, dependency, _ = _ENGINES[name]
     if not is_installed(name):
         raise EngineUnavailable(
             f"the {name} engine needs the '{dependency}' package: pip install 'mesh-llm[{extra}]'"
@@ -47,15 +48,15 @@ def require(name: str) -> None:
 def engine_class(name: str) -> type[Engine]:
     """The engine class for ``name``; :class:`EngineUnavailable` names the extra to install."""
     require(name)
-    module, cls, extra, _ = _ENGINES[name]
+    module, cls, extra, _, library_env = _ENGINES[name]
     try:
         return getattr(importlib.import_module(module), cls)
     # installed but broken: llama-cpp-python raises FileNotFoundError or RuntimeError for a native
     # library it cannot find or load (a wrong LLAMA_CPP_LIB_PATH, a build for another CPU)
     except (ImportError, OSError, RuntimeError) as exc:
-        where = os.environ.get("LLAMA_CPP_LIB_PATH") if name == "llama" else None
-        fix = (f"LLAMA_CPP_LIB_PATH ({where}) must name a folder holding llama.cpp's libraries" if where
-               else f"reinstall it: pip install --force-reinstall 'mesh-llm[{extra}]'")
+        where = os.environ.get(library_env) if library_env else None
+        fix = (f"{library_env} ({where}) must name a folder holding the {name} engine's native libraries"
+               if where else f"reinstall it: pip install --force-reinstall 'mesh-llm[{extra}]'")
         raise EngineUnavailable(f"the {name} engine cannot be imported ({exc}); {fix}") from None
 
 
