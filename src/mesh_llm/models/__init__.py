@@ -2,10 +2,18 @@
 default model. The explicit download is ``mesh_llm.models.download``, the only module that reaches
 the network, imported by its command alone (huggingface_hub's import is 0.1 s of every start)."""
 
-from mesh_llm.models.default import default_gguf, default_mlx_folder, default_spec
+from mesh_llm.models.default import default_gguf, default_llama_gguf, default_mlx_folder, default_spec
 from mesh_llm.models.registry import LocalModel, list_models
 from mesh_llm.models.resolve import model_path, resolve
-from mesh_llm.models.spec import FORMAT_ENGINE, BadModel, ModelNotFound, ModelSpec, hf_cache_dir, home_dir, models_dir
+from mesh_llm.models.spec import (
+    FORMAT_ENGINE,
+    BadModel,
+    ModelNotFound,
+    ModelSpec,
+    hf_cache_dir,
+    home_dir,
+    models_dir,
+)
 
 __all__ = [
     "FORMAT_ENGINE",
@@ -14,6 +22,7 @@ __all__ = [
     "ModelNotFound",
     "ModelSpec",
     "default_gguf",
+    "default_llama_gguf",
     "default_mlx_folder",
     "default_spec",
     "hf_cache_dir",

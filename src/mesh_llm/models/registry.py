@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mesh_llm.models.default import default_mlx_path, default_spec
+from mesh_llm.models.default import default_llama_path, default_mlx_path, default_spec
 from mesh_llm.models.files import (
     cached_repos,
     cached_revision,
@@ -78,6 +78,8 @@ def _default_model() -> list[LocalModel]:
     size = disk_size(spec)
     if default_mlx_path().is_dir():
         size += disk_size(ModelSpec(spec.name, default_mlx_path(), "safetensors", spec.source))
+    if default_llama_path().is_file():
+        size += default_llama_path().stat().st_size
     return [LocalModel(ref="default", spec=spec, size_bytes=size)]
 
 
@@ -128,8 +130,8 @@ def _own_cache_models() -> Iterator[LocalModel]:
         return
     top_ggufs = set(gguf_candidates(root, recursive=False))
     for entry in sorted(root.iterdir()):
-        if entry.name.startswith(".") or entry == default_mlx_path():
-            continue  # imports in progress, locks, and the default's MLX form (listed with the default)
+        if entry.name.startswith(".") or entry in (default_mlx_path(), default_llama_path()):
+            continue  # imports in progress, locks, and the default's own forms (listed with the default)
         if entry.is_dir():
             specs = _folder_models(entry, entry.name, OWN_CACHE_SOURCE, recursive=False)
         elif entry.name in top_ggufs:

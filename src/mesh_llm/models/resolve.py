@@ -21,7 +21,13 @@ import os
 import re
 from pathlib import Path
 
-from mesh_llm.models.default import default_mlx_folder, default_mlx_path, default_spec
+from mesh_llm.models.default import (
+    DEFAULT_SOURCE,
+    default_llama_gguf,
+    default_mlx_folder,
+    default_mlx_path,
+    default_spec,
+)
 from mesh_llm.models.files import cached_repo, cached_revision, folder_spec, gguf_spec, is_gguf_name
 from mesh_llm.models.registry import OWN_CACHE_SOURCE, list_models
 from mesh_llm.models.spec import BadModel, ModelNotFound, ModelSpec, models_dir
@@ -47,9 +53,14 @@ def resolve(ref: str | os.PathLike | None = None) -> ModelSpec:
     return _from_listing(ref)
 
 
-def model_path(spec: ModelSpec, fmt: str, progress=None) -> Path:
-    """The path of ``spec`` in format ``fmt`` ("safetensors" for MLX, "gguf" for llama.cpp), importing
-    the default model's MLX folder on first use (``progress(done, total)`` reports that import)."""
+def model_path(spec: ModelSpec, fmt: str, progress=None, engine: str | None = None,
+               deterministic: bool = False) -> Path:
+    """The path of ``spec`` in format ``fmt`` ("safetensors" for MLX, "gguf" for llama.cpp) that
+    ``engine`` loads. The default model's own forms are made on first use: its MLX folder
+    (``progress(done, total)`` reports that import), and the Q8_0 copy the llama engine serves unless
+    ``deterministic`` (``models/default.py``)."""
+    if spec.source == DEFAULT_SOURCE and fmt == "gguf" and engine == "llama" and not deterministic:
+        return default_llama_gguf()
     if fmt == spec.format:
         return spec.path
     if fmt not in spec.alternates:
