@@ -227,10 +227,10 @@ class Server:
         return True
 
     def _completes(self) -> bool:
-        body = {"model": self.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-                "temperature": 0}
         import httpx
 
+        body = {"model": self.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                "temperature": 0}
         return httpx.post(self.url + "/v1/chat/completions", json=body, timeout=600).status_code == 200
 
 

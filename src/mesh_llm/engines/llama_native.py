@@ -51,7 +51,8 @@ def requantize_q8_0(src: Path, dst: Path) -> None:
     params.ftype = ll.LLAMA_FTYPE_MOSTLY_Q8_0
     params.allow_requantize = True
     if ll.llama_model_quantize(bytes(src), bytes(dst), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not requantize {src}: {'; '.join(NATIVE_LOG.errors) or 'no reason given'}")
+        why = "; ".join(NATIVE_LOG.errors) or "no reason given"
+        raise RuntimeError(f"llama.cpp could not requantize {src}: {why}")
 
 
 def amx_in_use() -> bool:
