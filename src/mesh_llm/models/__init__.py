@@ -1,6 +1,6 @@
 """Models: what a reference means (``resolve``), what is on disk (``list_models``) and the embedded
 default model. The explicit download is ``mesh_llm.models.download``, the only module that reaches
-the network, imported by its command alone (huggingface_hub's import is 0.1 s of every start)."""
+the network, imported by its command alone; the rest reads the hub's cache offline."""
 
 from mesh_llm.models.default import default_gguf, default_llama_gguf, default_mlx_folder, default_spec
 from mesh_llm.models.registry import LocalModel, list_models
