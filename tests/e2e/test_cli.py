@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -82,6 +83,16 @@ def test_the_command_imports_the_benchmark_runners_only_to_run_them():
     done = children.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_cache_that_cannot_be_written_stops_the_start_in_one_line(tmp_path):
+    """The default model's engine forms are made in mesh-llm's cache on first use (models/default.py)."""
+    (tmp_path / "a-file").write_text("")
+    env = {**os.environ, "MESH_LLM_HOME": str(tmp_path / "a-file" / "home")}
+    result = children.run([sys.executable, "-m", "mesh_llm", "serve", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert "MESH_LLM_HOME" in one_error_line(result)
 
 
 def test_models_list_shows_the_default():
