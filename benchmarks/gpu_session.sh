@@ -184,6 +184,18 @@ run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency
   fi
 }
 
+merged_report() {  # out note run-folders...: one report of several benches (benchmarks/report_from_results.py)
+  local out=$1 note=$2 d summaries=() results=()
+  shift 2
+  for d in "$@"; do
+    if [ -f "$d/summary.json" ]; then summaries+=(--settings-from "$d/summary.json"); fi
+    if [ -f "$d/results.jsonl" ]; then results+=("$d/results.jsonl"); fi
+  done
+  [ ${#results[@]} -gt 0 ] || { echo "no results to merge into $out"; return 1; }
+  python3 benchmarks/report_from_results.py "$out" "${summaries[@]}" "${results[@]}" --note \
+    "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); random-weight Qwen2.5 shapes at float16; $note"
+}
+
 logs_to_out() {  # every server log and bench log so far, as one file
   (cd "$conc" && tar czf "$OUT/$1" ./*.log ./*/logs) || true
 }
@@ -761,13 +773,8 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
   [ "${SKIP_CONC:-0}" = 1 ] || [ "${SKIP_7B:-0}" = 1 ] || run_conc qwen2.5-7b 1,8 "$backends" "${BUDGET_7B:-200}"
   if [ "${SKIP_CONC:-0}" != 1 ]; then  # this step's benches as one report
     mapfile -t runs < <(ls -d "$conc"/*-mlx-beside-llama 2>/dev/null)
-    summaries=() results=()
-    for d in "${runs[@]}"; do
-      [ -f "$d/summary.json" ] && summaries+=(--settings-from "$d/summary.json")
-      [ -f "$d/results.jsonl" ] && results+=("$d/results.jsonl")
-    done
-    [ ${#results[@]} = 0 ] || python3 benchmarks/report_from_results.py "$OUT/report" "${summaries[@]}" "${results[@]}" \
-      --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); random-weight Qwen2.5 shapes at float16; ${MAX_TOKENS:-256} tokens per request; benchmarks/gpu_session.sh mlx-beside-llama" || true
+    merged_report "$OUT/report" "${MAX_TOKENS:-256} tokens per request; benchmarks/gpu_session.sh mlx-beside-llama" \
+      "${runs[@]}" || true
     logs_to_out beside-logs.tar.gz
   fi
   ;;
@@ -800,15 +807,10 @@ conc-llama)
   # one report of every concurrency run of this session (the llama runs first: their machine notes
   # name the llama-server build), its table printed last
   mapfile -t runs < <(ls -d "$conc"/*-conc-llama "$conc"/*-conc-mlx "$conc"/*-conc-mlx-lm 2>/dev/null)
-  summaries=() results=()
-  for d in "${runs[@]}"; do
-    [ -f "$d/summary.json" ] && summaries+=(--settings-from "$d/summary.json")
-    [ -f "$d/results.jsonl" ] && results+=("$d/results.jsonl")
-  done
-  cat "${results[@]}" > "$OUT/results.jsonl"
+  for d in "${runs[@]}"; do if [ -f "$d/results.jsonl" ]; then cat "$d/results.jsonl"; fi; done > "$OUT/results.jsonl"
   logs_to_out logs.tar.gz
-  python3 benchmarks/report_from_results.py "$OUT" "${summaries[@]}" "${results[@]}" \
-    --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); random-weight Qwen2.5 shapes at float16; qwen2.5-0.5b at 1, 8 and 32 streams, qwen2.5-7b at 1 and 8; ${MAX_TOKENS:-256} tokens per request; see benchmarks/gpu_session.sh"
+  merged_report "$OUT" "qwen2.5-0.5b at 1, 8 and 32 streams, qwen2.5-7b at 1 and 8; ${MAX_TOKENS:-256} tokens per request; see benchmarks/gpu_session.sh" \
+    "${runs[@]}"
   ;;
 *)
   echo "unknown step $step"; exit 2 ;;
