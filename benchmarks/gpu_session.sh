@@ -758,8 +758,11 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
       python3 -m pytest -q -s -p no:cacheprovider tests/engines/test_llama_gpu.py 2>&1 | tail -25 || true
   fi
   if [ "${RESTART_TIMES:-0}" = 1 ]; then  # what the restart costs: started with llama.cpp loaded first
-    # (it starts again) against MESH_LLM_LLAMA_FIRST=0 from the start, alternated
+    # (it starts again) against MESH_LLM_LLAMA_FIRST=0 from the start, alternated, and the llama
+    # engine's start on the same weights (issue 11: MLX's start against it)
     for _ in 1 2; do
+      timeout 100 python3 benchmarks/startup.py --runs 2 --label "llama, max-batch 32" -- --engine llama \
+        --model "$models/qwen2.5-0.5b.gguf" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
       timeout 100 python3 benchmarks/startup.py --runs 2 --label "mlx, restarted" -- --engine mlx \
         --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
       MESH_LLM_LLAMA_FIRST=0 timeout 100 python3 benchmarks/startup.py --runs 2 --label "mlx, no early load" -- \
