@@ -37,9 +37,11 @@ def main() -> None:
     records = [json.loads(line) for path in args.results for line in path.read_text().splitlines() if line]
     bases = [json.loads(path.read_text()) for path in args.settings_from]
     settings = {**bases[0]["settings"], **({"note": args.note} if args.note else {})}
-    for field in ("backends", "pairs"):
-        merged = {item["name"]: item for base in bases for item in base["settings"][field]}
-        settings[field] = list(merged.values())
+    settings["levels"] = sorted({n for base in bases for n in base["settings"]["levels"]})
+    settings["pairs"] = list({p["name"]: p for base in bases for p in base["settings"]["pairs"]}.values())
+    # a backend's command as each bench started it (--max-batch follows that bench's highest level)
+    settings["backends"] = list({json.dumps(b, sort_keys=True): b for base in bases
+                                 for b in base["settings"]["backends"]}.values())
     levels = any(r["kind"] in ("round", "request") for r in records)
     summary = (summarize_levels if levels else summarize)(records, settings, bases[0]["environment"])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -82,10 +82,12 @@ def _setup(summary: dict) -> list[str]:
     s = summary["settings"]
     lines = ["## Models", "", "| pair | MLX folder | GGUF |", "| --- | --- | --- |"]
     lines += [f"| {p['name']} | `{p['mlx']}` | `{p['gguf']}` |" for p in s["pairs"]]
-    top = max(s["levels"])
+    names = [b["name"] for b in s["backends"]]
+    started = ("as each merged bench started them, for its highest level" if len(set(names)) < len(names)
+               else f"as started for {max(s['levels'])} streams")
     lines += ["", "## Backends", "",
-              (f"Commands as started for {top} streams; a backend whose command depends on the level is "
-               "started anew for each level, configured for it."), "",
+              (f"Commands {started}; a backend whose command depends on the level is started anew for each "
+               "level, configured for it."), "",
               "| backend | serves | exact token count | started | command |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {b['name']} | {b['serves']} | {EOS_NOTES[b['eos']]} | "
               f"{'per level' if b['per_level'] else 'once for all levels'} | `{b['command']}` |"
