@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-
-from huggingface_hub import CachedRepoInfo, CachedRevisionInfo, CacheNotFound, scan_cache_dir
+from typing import TYPE_CHECKING
 
 from mesh_llm.models.spec import BadModel, ModelNotFound, ModelSpec, hf_cache_dir
+
+if TYPE_CHECKING:
+    from huggingface_hub import CachedRepoInfo, CachedRevisionInfo
 
 GGUF_MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -131,7 +133,11 @@ def folder_spec(
 
 
 def cached_repos() -> list[CachedRepoInfo]:
-    """Model repositories in the Hugging Face cache (none when the cache does not exist yet)."""
+    """Model repositories in the Hugging Face cache (none when the cache does not exist yet).
+    huggingface_hub is imported here, not with the module: it brings httpx, 0.1-0.2 s of every
+    start that names a path or the default model."""
+    from huggingface_hub import CacheNotFound, scan_cache_dir
+
     try:
         info = scan_cache_dir(hf_cache_dir())
     except CacheNotFound:
