@@ -35,7 +35,8 @@
 #      where the CUDA llama.cpp is importable (it restarts without it), both engines refused in one
 #      process, then mesh-mlx beside llama-server in one bench (0.5B 1,8,32 and 7B 1,8; SKIP_7B=1,
 #      SKIP_05=1, SKIP_CONC=1; BESIDE_BACKENDS=mesh-mlx,llama-server,mesh-llama for all three; GPU_TESTS=1
-#      runs tests/engines/test_llama_gpu.py first, RESTART_TIMES=1 times the restart against none)
+#      runs tests/engines/test_llama_gpu.py first, RESTART_TIMES=1 times the restart against none,
+#      PREFILL_FLOOR=1 (FLOOR_7B=1) reads 8 prompts together against one in the raw engines)
 #      (2026-12-06: the tree with .device/llama passed 64 MiB; its vocabulary travels xz'd)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
@@ -767,6 +768,16 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
         --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
       MESH_LLM_LLAMA_FIRST=0 timeout 100 python3 benchmarks/startup.py --runs 2 --label "mlx, no early load" -- \
         --engine mlx --model "$models/qwen2.5-0.5b-mlx" --ctx-size 2048 --max-batch 32 2>&1 | tail -n +2 || true
+    done
+  fi
+  if [ "${PREFILL_FLOOR:-0}" = 1 ]; then  # issue 10's TTFT p95 at 8 streams: eight 640-token prompts
+    # read together against one alone, in the raw engines (no HTTP): the ratio the scheduler cannot beat
+    for shape in qwen2.5-0.5b ${FLOOR_7B:+qwen2.5-7b}; do
+      wait_model "$shape"
+      timeout 150 python3 benchmarks/engines.py --engine llama --gguf "$models/$shape.gguf" --batch 1,8 \
+        --prompt-tokens 640 --decode-tokens 8 --runs 3 --prefill-budget 8192 2>&1 | grep -E "^\| llama" || true
+      MESH_LLM_LLAMA_FIRST=0 timeout 150 python3 benchmarks/engines.py --engine mlx --mlx "$models/$shape-mlx" \
+        --batch 1,8 --prompt-tokens 640 --decode-tokens 8 --runs 3 --prefill-budget 8192 2>&1 | grep -E "^\| mlx" || true
     done
   fi
   mkdir -p "$conc"
