@@ -775,9 +775,9 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
     for shape in qwen2.5-0.5b ${FLOOR_7B:+qwen2.5-7b}; do
       wait_model "$shape"
       timeout 150 python3 benchmarks/engines.py --engine llama --gguf "$models/$shape.gguf" --batch 1,8 \
-        --prompt-tokens 640 --decode-tokens 8 --runs 3 --prefill-budget 8192 2>&1 | grep -E "^\| llama" || true
+        --prompt-tokens 640 --decode-tokens 8 --runs 3 --prefill-budget 8192 --out "$OUT/floor-$shape-llama.json" 2>&1 | grep -E "^\| llama" || true
       MESH_LLM_LLAMA_FIRST=0 timeout 150 python3 benchmarks/engines.py --engine mlx --mlx "$models/$shape-mlx" \
-        --batch 1,8 --prompt-tokens 640 --decode-tokens 8 --runs 3 --prefill-budget 8192 2>&1 | grep -E "^\| mlx" || true
+        --batch 1,8 --prompt-tokens 640 --decode-tokens 8 --runs 3 --prefill-budget 8192 --out "$OUT/floor-$shape-mlx.json" 2>&1 | grep -E "^\| mlx" || true
     done
   fi
   mkdir -p "$conc"
