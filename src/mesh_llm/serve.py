@@ -152,7 +152,8 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
 def serve(config: ServeConfig, progress_factory=None) -> int:
     """Run until interrupted; returns the process exit code. The server's modules (uvicorn, the
     worker, the API) are imported once the models are planned: a plan may start the process again
-    (``Relaunch``), and on the GPU host they took 0.2-0.4 s of that restart."""
+    (``Relaunch``), and with the CLI's they took 0.38-0.42 s of that restart's first process on
+    an H100."""
     client_only = config.mesh is not None and config.mesh.client
     plans = [] if client_only else plan_models(config, progress=progress_factory("import") if progress_factory
                                                else None)
