@@ -92,7 +92,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory("--engine", "llama")
+    # debug: the worker logs when it holds a first step for requests still arriving
+    return server_factory("--engine", "llama", env={"MESH_LLM_LOG_LEVEL": "debug"})
 
 
 @pytest.mark.parametrize("name,method,path,body,status,etype,param", CASES, ids=[c[0] for c in CASES])
@@ -153,3 +154,21 @@ def test_still_healthy_after_bad_input(server):
     ok = httpx.post(server.url + CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": 4}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
     assert "Traceback" not in server.output()
+
+
+def test_a_refused_request_is_no_longer_counted_as_arriving(server):
+    """Each request counts as arriving from its model's lookup until it is queued, and an idle worker
+    holds its first step while any does: one refused on the way (each route, each kind of refusal)
+    must stop counting, or every later request would wait the whole hold. These go one at a time, so
+    no step here ever has a request to wait for."""
+    refused = [(path, body) for _, method, path, body, status, *_ in CASES
+               if method == "POST" and status == 400 and isinstance(body, dict) and body.get("model") == MODEL]
+    refused.append(("/v1/responses", {"model": MODEL, "input": "word " * 9000, "max_output_tokens": 1}))
+    for path, body in refused:
+        assert httpx.post(server.url + path, json=body, timeout=60).status_code == 400, (path, body)
+    for path, body in [(CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 2}),
+                       (TEXT, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+                       ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2})]:
+        assert httpx.post(server.url + path, json=body, timeout=60).status_code == 200, path
+    output = server.output()
+    assert "step" in output and "held" not in output, output[-2000:]

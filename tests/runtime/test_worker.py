@@ -193,6 +193,50 @@ def test_each_admission_and_step_is_logged_at_debug_level(worker, caplog):
     assert sum(" decoding, " in m and "ms, budget" in m for m in messages) >= 3, messages
 
 
+def _first_steps(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "ms, budget" in r.getMessage()]
+
+
+def test_an_idle_worker_holds_its_first_step_for_requests_still_arriving(worker, caplog, monkeypatch):
+    """Three requests arrive together; the first is queued while the other two are still being
+    prepared (``arriving``), as when a client sends several at once and each is tokenized in turn.
+    The worker holds its first step until they are queued, so one pass reads all three prompts;
+    before, it read the first alone and the others behind it."""
+    import mesh_llm.runtime.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "GATHER_S", 60.0)  # so only the arrivals can end the hold
+    collectors = [Collector() for _ in range(3)]
+    with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
+        with worker.arriving() as a, worker.arriving() as b, worker.arriving() as c:
+            for arrival, collector, text in zip((a, b, c), collectors, ("One,", "Two,", "Three,")):
+                worker.submit(request(worker, text, max_tokens=2, ignore_eos=True), collector)
+                arrival.done()
+                time.sleep(0.05)
+        assert all(x.final.finish_reason == "length" for x in collectors)
+    held = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
+    assert len(held) == 1 and "(3 admitted, 0 still arriving)" in held[0], held
+    assert " 3 reading, 0 decoding" in _first_steps(caplog)[0], _first_steps(caplog)
+
+
+def test_the_hold_is_bounded_and_a_lone_request_is_not_held(worker, caplog, monkeypatch):
+    """A request still being prepared when the limit passes (a long prompt tokenizing) is not waited
+    for further; a request with none arriving beside it is stepped at once."""
+    import mesh_llm.runtime.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "GATHER_S", 0.05)
+    with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
+        with worker.arriving():
+            first = Collector()
+            worker.submit(request(worker, "One,", max_tokens=2, ignore_eos=True), first)
+            assert first.final.finish_reason == "length"  # while the other is still arriving
+        lone = Collector()
+        worker.submit(request(worker, "Two,", max_tokens=2, ignore_eos=True), lone)
+        assert lone.final.finish_reason == "length"
+    held = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
+    assert len(held) == 1 and "(1 admitted, 1 still arriving)" in held[0], held
+    assert len(_first_steps(caplog)) == 4, _first_steps(caplog)  # two steps each, none held for the lone
+
+
 def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog):
     """Without a budget of its own the worker reads as many prompt tokens a step as the engine's
     chunk (``EngineInfo.prefill_step``, which an engine may choose: 1,024 tokens for MLX on a GPU),

@@ -22,7 +22,7 @@ from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.prompt_limit import PromptTooLong, encode_within
 from mesh_llm.runtime.tools import ChatPlan
-from mesh_llm.runtime.worker import ModelWorker
+from mesh_llm.runtime.worker import Arrival, ModelWorker
 
 log = logging.getLogger("mesh_llm.api")
 
@@ -95,41 +95,47 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = lookup(body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        room = PromptRoom.of(served.worker, body.token_limit(), "messages")
-        plan = await chat_plan(served.worker.tokenizer, body, room)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await _complete(served, body, plan.prompt, logprobs, "chat", request, plan)
+        with served.worker.arriving() as arrival:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+            room = PromptRoom.of(served.worker, body.token_limit(), "messages")
+            plan = await chat_plan(served.worker.tokenizer, body, room)
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            return await _complete(served, body, plan.prompt, logprobs, "chat", request, arrival, plan)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(body: CompletionRequest, request: Request):
         served = lookup(body.model)
         if (name := body.refused_field()) is not None:
             raise unsupported(name)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            room = PromptRoom.of(served.worker, body.token_limit(), "prompt")
-            try:
-                ids = await run_in_threadpool(encode_within, served.worker.tokenizer, prompt, True,
-                                              room.tokens)
-            except PromptTooLong as exc:
-                raise room.exceeded(exc.at_least) from None
-        else:
-            ids = list(prompt)
-            vocab = served.worker.tokenizer.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return await _complete(served, body, ids, body.logprobs, "text", request)
+        with served.worker.arriving() as arrival:
+            ids = await _prompt_ids(served, body)
+            return await _complete(served, body, ids, body.logprobs, "text", request, arrival)
 
     install_responses(app, lookup, require_key)
     return app
+
+
+async def _prompt_ids(served: ServedModel, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        room = PromptRoom.of(served.worker, body.token_limit(), "prompt")
+        try:
+            ids = await run_in_threadpool(encode_within, served.worker.tokenizer, prompt, True, room.tokens)
+        except PromptTooLong as exc:
+            raise room.exceeded(exc.at_least) from None
+    else:
+        ids = list(prompt)
+        vocab = served.worker.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return ids
 
 
 def _model_json(m: ServedModel) -> dict:
@@ -140,7 +146,7 @@ def _model_json(m: ServedModel) -> dict:
 
 
 async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int], logprobs: int | None,
-                    kind: str, request: Request, plan: ChatPlan | None = None):
+                    kind: str, request: Request, arrival: Arrival, plan: ChatPlan | None = None):
     if body.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
     constraint = plan.constraint if plan is not None else None
@@ -150,7 +156,7 @@ async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int]
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             min_p=body.min_p, seed=body.seed, logprobs=logprobs, constraint=constraint)
     generation = open_generation(served.worker, prompt, params, body.token_limit(), body.stop_list(),
-                                 body.ignore_eos, "messages" if kind == "chat" else "prompt")
+                                 body.ignore_eos, "messages" if kind == "chat" else "prompt", arrival)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     builder = ResponseBuilder(kind, served.id, logprobs is not None, include_usage,
                               plan.parser if plan is not None else None)

@@ -14,7 +14,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from mesh_llm.api.errors import APIError
 from mesh_llm.engines.base import SamplingParams
-from mesh_llm.runtime.worker import Generation, GenerationRequest, ModelWorker, QueueFull, WorkerNotReady
+from mesh_llm.runtime.worker import (
+    Arrival,
+    Generation,
+    GenerationRequest,
+    ModelWorker,
+    QueueFull,
+    WorkerNotReady,
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,18 @@ def context_exceeded(context: int, prompt: str, max_tokens: int | None, param: s
 
 def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_tokens: int | None,
                     stop: tuple[str, ...] = (), ignore_eos: bool = False,
-                    prompt_param: str = "messages") -> Generation:
-    """Queue the generation (``max_tokens`` None: up to the end of the context)."""
+                    prompt_param: str = "messages", arrival: Arrival | None = None) -> Generation:
+    """Queue the generation (``max_tokens`` None: up to the end of the context); ``arrival``, the
+    request's count in ``worker.arriving()``, ends once it is queued (or refused)."""
+    try:
+        return _open(worker, prompt, params, max_tokens, stop, ignore_eos, prompt_param)
+    finally:
+        if arrival is not None:
+            arrival.done()
+
+
+def _open(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_tokens: int | None,
+          stop: tuple[str, ...], ignore_eos: bool, prompt_param: str) -> Generation:
     room = PromptRoom.of(worker, max_tokens, prompt_param)
     if len(prompt) > room.tokens:
         raise context_exceeded(room.context, str(len(prompt)), max_tokens, prompt_param)

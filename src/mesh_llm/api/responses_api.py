@@ -37,12 +37,13 @@ def install_responses(app: FastAPI, lookup: Callable, require_key: Callable) -> 
         choice = body.tool_choice
         choice = ToolChoice("required", choice.name) if isinstance(choice, NamedFunctionChoice) \
             else ToolChoice(choice or "auto")
-        plan = await make_plan(served.worker.tokenizer, body.chat_messages(), functions, choice,
-                               body.parallel_tool_calls, body.response_schema(), _FIELDS,
-                               PromptRoom.of(served.worker, body.max_output_tokens, "input"))
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, constraint=plan.constraint)
-        generation = open_generation(served.worker, plan.prompt, params, body.max_output_tokens,
-                                     prompt_param="input")
+        with served.worker.arriving() as arrival:
+            plan = await make_plan(served.worker.tokenizer, body.chat_messages(), functions, choice,
+                                   body.parallel_tool_calls, body.response_schema(), _FIELDS,
+                                   PromptRoom.of(served.worker, body.max_output_tokens, "input"))
+            params = SamplingParams(temperature=body.temperature, top_p=body.top_p, constraint=plan.constraint)
+            generation = open_generation(served.worker, plan.prompt, params, body.max_output_tokens,
+                                         prompt_param="input", arrival=arrival)
         builder = ResponsesBuilder(served.id, body, plan.parser)
         if body.stream:
             return stream_response(builder.stream(aiter(generation)), generation)

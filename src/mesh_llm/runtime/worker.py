@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mesh_llm.engines.base import (
@@ -55,6 +56,11 @@ HANDOVER_S = 0.005
 # behind many streams' it would keep the worker waiting (while a GPU-bound step would hide it, a
 # host-bound one would not).
 HANDOVER_TOKENS = 8
+# With nothing running, the worker holds its first step up to this long while other requests for the
+# model are still being read and tokenized (``ModelWorker.arriving``), so that prompts sent together
+# are read in one pass instead of the first alone and the rest behind it. A lone request waits for
+# nobody. MESH_LLM_GATHER_MS sets it (0: never hold).
+GATHER_S = float(os.environ.get("MESH_LLM_GATHER_MS") or 20) / 1000
 
 
 def prefill_budget(info: EngineInfo, configured: int | None = None) -> int:
@@ -114,6 +120,19 @@ class Chunk:
     usage: Usage | None = None
     error: str | None = None
     rejected: bool = False  # the engine refused the request itself (a client error, not a failure)
+
+
+class Arrival:
+    """A request being read and tokenized for a model (``ModelWorker.arriving``) until ``done``."""
+
+    def __init__(self, worker: ModelWorker):
+        self._worker = worker
+        self._open = True
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            self._worker._arrived()
 
 
 class Handover:
@@ -214,6 +233,8 @@ class ModelWorker:
         self._avg_job_s = 1.0
         self._alive = False
         self._handovers: list[tuple[Handover, int]] = []  # consumers to wait for after this step
+        self._arriving = 0  # requests being prepared (``arriving``)
+        self._arriving_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -253,6 +274,23 @@ class ModelWorker:
             self._thread.join(timeout)
 
     # -- requests --------------------------------------------------------------------------------
+
+    @contextmanager
+    def arriving(self) -> Iterator[Arrival]:
+        """Count a request from its lookup until it is queued (``arrival.done()`` right after, or
+        the block's end): an idle worker holds its first step for it (``GATHER_S``)."""
+        with self._arriving_lock:
+            self._arriving += 1
+        arrival = Arrival(self)
+        try:
+            yield arrival
+        finally:
+            arrival.done()
+
+    def _arrived(self) -> None:
+        with self._arriving_lock:
+            self._arriving -= 1
+        self._wake.set()
 
     def submit(self, request: GenerationRequest, deliver: Callable[[Chunk], None],
                handover: Handover | None = None) -> Callable[[], None]:
@@ -295,11 +333,14 @@ class ModelWorker:
         try:
             while not self._stopping.is_set():
                 self._drop_cancelled()
+                idle = not self._active
                 self._admit()
                 if not self._active:
                     self._wake.wait()
                     self._wake.clear()
                     continue
+                if idle and self._arriving and GATHER_S > 0:
+                    self._gather()
                 self._step()
         except BaseException:  # a bug in the scheduler itself: fail loudly, never hang clients
             log.exception("worker %s stopped", self.name)
@@ -342,6 +383,23 @@ class ModelWorker:
             self._active[seq] = _Sequence(job, engine.tokenizer)
             log.debug("%s: a %d-token prompt admitted after %.1f ms in the queue", self.name,
                       len(req.prompt), 1000 * (time.perf_counter() - job.submitted))
+
+    def _gather(self) -> None:
+        """Admit the requests arriving with the first one, up to ``GATHER_S``: sent together, their
+        prompts are then read in one pass. Reading the first alone would delay the rest by its
+        whole prompt and then have them read in passes beside its decoding."""
+        started = time.perf_counter()
+        deadline = started + GATHER_S
+        while self._arriving and len(self._active) < self._engine.max_batch and not self._stopping.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._wake.wait(left)
+            self._wake.clear()
+            self._admit()
+        log.debug("%s: the first step held %.1f ms for requests arriving with it (%d admitted, %d still "
+                  "arriving)", self.name, 1000 * (time.perf_counter() - started), len(self._active),
+                  self._arriving)
 
     def _step(self) -> None:
         decoding = any(s.first_at is not None for s in self._active.values())
