@@ -180,8 +180,8 @@ run_conc() {  # shape levels backends seconds: one `mesh-llm bench --concurrency
   grep -E 'error|interrupted|Traceback' "$out.log" | tail -5 || true
   sed -n '/concurrency: medians per level/,$p' "$out.log"
   if [ "$step" != conc-llama ] && [ -f "$out/results.jsonl" ]; then  # conc-llama merges them all below
-    cp "$out/results.jsonl" "$OUT/$shape-$step-results.jsonl"
-    cp "$out/summary.json" "$OUT/$shape-$step-summary.json" 2>/dev/null || true
+    cp "$out/results.jsonl" "$OUT/$shape-$step${TAG:-}-results.jsonl"
+    cp "$out/summary.json" "$OUT/$shape-$step${TAG:-}-summary.json" 2>/dev/null || true
   fi
 }
 
@@ -791,6 +791,26 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
       "${runs[@]}" || true
     logs_to_out beside-logs.tar.gz
   fi
+  ;;
+gather)  # carry [".device/x", ".device/elf"] after build, stage and the MLX install: issue 10's TTFT
+  # at 8 streams against the worker's hold for requests still arriving (MESH_LLM_GATHER_MS, 0: off),
+  # off and on alternated, each a `mesh-llm bench --concurrency 1,8` of both engines (debug logs: the
+  # steps and the holds)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
+  llama_env
+  mkdir -p "$conc"
+  export MESH_LLM_LOG_LEVEL=debug
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for ms in 0 20; do
+      export MESH_LLM_GATHER_MS=$ms TAG=-gather$ms-r$round
+      run_conc qwen2.5-0.5b 1,8 "${GATHER_BACKENDS:-mesh-mlx,mesh-llama}" 150
+    done
+  done
+  unset MESH_LLM_GATHER_MS TAG MESH_LLM_LOG_LEVEL
+  held=$(cd "$conc" && cat ./*gather20*/logs/* | grep "first step held" || true)
+  echo "holds: $(echo "$held" | sed -E 's/.*\(([0-9]+) admitted, ([0-9]+) still.*/\1 admitted, \2 arriving;/' | sort | uniq -c | tr '\n' ' ')"
+  echo "held ms: $(echo "$held" | sed -E 's/.*held ([0-9.]+) ms.*/\1/' | sort -n | tr '\n' ' ')"
+  logs_to_out gather-logs.tar.gz
   ;;
 conc-mlx)
   mlx_env
