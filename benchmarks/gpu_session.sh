@@ -802,8 +802,10 @@ gather)  # carry [".device/x", ".device/elf"] after build, stage and the MLX ins
   export MESH_LLM_LOG_LEVEL=debug
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for ms in 0 20; do
-      export MESH_LLM_GATHER_MS=$ms TAG=-gather$ms-r$round
-      run_conc qwen2.5-0.5b 1,8 "${GATHER_BACKENDS:-mesh-mlx,mesh-llama}" 150
+      for shape in ${GATHER_SHAPES:-qwen2.5-0.5b}; do
+        export MESH_LLM_GATHER_MS=$ms TAG=-gather$ms-r$round
+        run_conc "$shape" 1,8 "${GATHER_BACKENDS:-mesh-mlx,mesh-llama}" 150
+      done
     done
   done
   unset MESH_LLM_GATHER_MS TAG MESH_LLM_LOG_LEVEL
