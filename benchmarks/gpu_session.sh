@@ -796,8 +796,9 @@ gather)  # carry [".device/x", ".device/elf"] after build, stage and the MLX ins
   # at 8 streams against the worker's hold for requests still arriving (MESH_LLM_GATHER_MS, 0: off),
   # off and on alternated, each a `mesh-llm bench --concurrency 1,8` of both engines (debug logs: the
   # steps and the holds)
+  # (GATHER_BACKENDS=mesh-mlx needs no llama.cpp build: stash-v and stage-mlx do for build and stage)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
-  llama_env
+  case ${GATHER_BACKENDS:-mesh-llama} in *llama*) llama_env ;; *) mlx_env ;; esac
   mkdir -p "$conc"
   export MESH_LLM_LOG_LEVEL=debug
   for round in $(seq 1 "${ROUNDS:-2}"); do
