@@ -63,16 +63,7 @@ def open_generation(worker: ModelWorker, prompt: list[int], params: SamplingPara
                     stop: tuple[str, ...] = (), ignore_eos: bool = False,
                     prompt_param: str = "messages", arrival: Arrival | None = None) -> Generation:
     """Queue the generation (``max_tokens`` None: up to the end of the context); ``arrival``, the
-    request's count in ``worker.arriving()``, ends once it is queued (or refused)."""
-    try:
-        return _open(worker, prompt, params, max_tokens, stop, ignore_eos, prompt_param)
-    finally:
-        if arrival is not None:
-            arrival.done()
-
-
-def _open(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_tokens: int | None,
-          stop: tuple[str, ...], ignore_eos: bool, prompt_param: str) -> Generation:
+    request's count in ``worker.arriving()``, ends once it is queued (a refusal ends the block)."""
     room = PromptRoom.of(worker, max_tokens, prompt_param)
     if len(prompt) > room.tokens:
         raise context_exceeded(room.context, str(len(prompt)), max_tokens, prompt_param)
@@ -80,12 +71,15 @@ def _open(worker: ModelWorker, prompt: list[int], params: SamplingParams, max_to
     job = GenerationRequest(prompt=prompt, params=params, max_tokens=max_tokens, stop=stop,
                             ignore_eos=ignore_eos)
     try:
-        return worker.open(job)
+        generation = worker.open(job)
     except QueueFull as exc:
         raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) \
             from None
     except WorkerNotReady as exc:
         raise APIError(503, str(exc), code="model_loading") from None
+    if arrival is not None:
+        arrival.done()
+    return generation
 
 
 def stream_response(events: AsyncIterator[bytes], generation: Generation) -> StreamingResponse:

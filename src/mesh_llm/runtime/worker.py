@@ -125,14 +125,13 @@ class Chunk:
 class Arrival:
     """A request being read and tokenized for a model (``ModelWorker.arriving``) until ``done``."""
 
-    def __init__(self, worker: ModelWorker):
-        self._worker = worker
-        self._open = True
+    def __init__(self, arrived: Callable[[], None]):
+        self._arrived: Callable[[], None] | None = arrived
 
     def done(self) -> None:
-        if self._open:
-            self._open = False
-            self._worker._arrived()
+        arrived, self._arrived = self._arrived, None
+        if arrived is not None:
+            arrived()
 
 
 class Handover:
@@ -281,7 +280,7 @@ class ModelWorker:
         the block's end): an idle worker holds its first step for it (``GATHER_S``)."""
         with self._arriving_lock:
             self._arriving += 1
-        arrival = Arrival(self)
+        arrival = Arrival(self._arrived)
         try:
             yield arrival
         finally:
