@@ -171,4 +171,4 @@ def test_a_refused_request_is_no_longer_counted_as_arriving(server):
                        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2})]:
         assert httpx.post(server.url + path, json=body, timeout=60).status_code == 200, path
     output = server.output()
-    assert "step" in output and "held" not in output, output[-2000:]
+    assert "ms, budget" in output and "first step held" not in output, output[-2000:]

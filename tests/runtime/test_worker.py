@@ -193,7 +193,7 @@ def test_each_admission_and_step_is_logged_at_debug_level(worker, caplog):
     assert sum(" decoding, " in m and "ms, budget" in m for m in messages) >= 3, messages
 
 
-def _first_steps(caplog) -> list[str]:
+def _steps(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "ms, budget" in r.getMessage()]
 
 
@@ -213,9 +213,9 @@ def test_an_idle_worker_holds_its_first_step_for_requests_still_arriving(worker,
                 arrival.done()
                 time.sleep(0.05)
         assert all(x.final.finish_reason == "length" for x in collectors)
-    held = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
+    held = [r.getMessage() for r in caplog.records if "first step held" in r.getMessage()]
     assert len(held) == 1 and "(3 admitted, 0 still arriving)" in held[0], held
-    assert " 3 reading, 0 decoding" in _first_steps(caplog)[0], _first_steps(caplog)
+    assert " 3 reading, 0 decoding" in _steps(caplog)[0], _steps(caplog)
 
 
 def test_the_hold_is_bounded_and_a_lone_request_is_not_held(worker, caplog, monkeypatch):
@@ -232,9 +232,9 @@ def test_the_hold_is_bounded_and_a_lone_request_is_not_held(worker, caplog, monk
         lone = Collector()
         worker.submit(request(worker, "Two,", max_tokens=2, ignore_eos=True), lone)
         assert lone.final.finish_reason == "length"
-    held = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
+    held = [r.getMessage() for r in caplog.records if "first step held" in r.getMessage()]
     assert len(held) == 1 and "(1 admitted, 1 still arriving)" in held[0], held
-    assert len(_first_steps(caplog)) == 4, _first_steps(caplog)  # two steps each, none held for the lone
+    assert len(_steps(caplog)) == 4, _steps(caplog)  # two steps each, none held for the lone
 
 
 def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog):
