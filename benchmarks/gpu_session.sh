@@ -798,14 +798,15 @@ gather)  # carry [".device/x", ".device/elf"] after build, stage and the MLX ins
   # steps and the holds)
   # (GATHER_BACKENDS=mesh-mlx needs no llama.cpp build: stash-v and stage-mlx do for build and stage)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
-  case ${GATHER_BACKENDS:-mesh-llama} in *llama*) llama_env ;; *) mlx_env ;; esac
+  backends=${GATHER_BACKENDS:-mesh-mlx,mesh-llama}
+  case $backends in *llama*) llama_env ;; *) mlx_env ;; esac
   mkdir -p "$conc"
   export MESH_LLM_LOG_LEVEL=debug
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for ms in 0 20; do
       for shape in ${GATHER_SHAPES:-qwen2.5-0.5b}; do
         export MESH_LLM_GATHER_MS=$ms TAG=-gather$ms-r$round
-        run_conc "$shape" 1,8 "${GATHER_BACKENDS:-mesh-mlx,mesh-llama}" 150
+        run_conc "$shape" 1,8 "$backends" 150
       done
     done
   done
