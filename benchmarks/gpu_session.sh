@@ -37,6 +37,8 @@
 #      SKIP_05=1, SKIP_CONC=1; BESIDE_BACKENDS=mesh-mlx,llama-server,mesh-llama for all three; GPU_TESTS=1
 #      runs tests/engines/test_llama_gpu.py first, RESTART_TIMES=1 times the restart against none,
 #      PREFILL_FLOOR=1 (FLOOR_7B=1) reads 8 prompts together against one in the raw engines)
+#   (or) the same carry: lengths (one stream at 128, 512 and 2,048 prompt tokens, three backends,
+#      both shapes; about 5 minutes)
 #      (2026-12-06: the tree with .device/llama passed 64 MiB; its vocabulary travels xz'd)
 # Expected: 3-5, 2 and 3-4 minutes (more while mesh-llm decodes one request at a time), so about 15
 # device minutes with the machine's start and calls 1-2; at most 26.
@@ -791,6 +793,26 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
       "${runs[@]}" || true
     logs_to_out beside-logs.tar.gz
   fi
+  ;;
+lengths)  # carry [".device/x", ".device/elf"] after build, stage and the MLX install: issue 11's one
+  # stream against the prompt's length: `mesh-llm bench --cases lengths` (128, 512 and 2,048 prompt
+  # tokens, 256 out, EOS ignored), mesh-mlx beside llama-server and the llama engine, both shapes;
+  # three starts a backend (startup), no warm-up, so each length's first run is its first request
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
+  llama_env
+  for shape in ${LENGTH_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    wait_model "$shape"
+    out=$conc/$shape-lengths
+    echo "== $shape, one stream by prompt length"
+    timeout -s INT -k 30 "${LENGTHS_BUDGET:-240}" python3 -m mesh_llm bench --model-pair "$(pair "$shape")" \
+      --backends "${LENGTH_BACKENDS:-mesh-mlx,llama-server,mesh-llama}" --cases lengths --runs "${RUNS:-3}" \
+      --warmup 0 --ctx-size 4096 --llama-server /tmp/llama-cuda/bin/llama-server --out "$out" > "$out.log" 2>&1 || true
+    grep -E 'error|interrupted|Traceback' "$out.log" | tail -5 || true
+    cp "$out/results.jsonl" "$OUT/$shape-lengths-results.jsonl" 2>/dev/null || true
+    cp "$out/report.md" "$OUT/$shape-lengths-report.md" 2>/dev/null || true
+    sed -n '/^| case/,/^$/p' "$out/report.md" 2>/dev/null || tail -20 "$out.log"
+  done
+  logs_to_out lengths-logs.tar.gz
   ;;
 gather)  # carry [".device/x", ".device/elf"] after build, stage and the MLX install: issue 10's TTFT
   # at 8 streams against the worker's hold for requests still arriving (MESH_LLM_GATHER_MS, 0: off),

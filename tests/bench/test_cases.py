@@ -21,7 +21,7 @@ def tokenizer(request, tiny_pair):
 def test_default_sets_hit_their_exact_lengths(tokenizer):
     builder = PromptBuilder(tokenizer)
     prompts = {}
-    for case in load_cases(["default", "cache-sequence"]):
+    for case in load_cases(["default", "cache-sequence", "lengths"]):
         for session in ("000000", "123456", "987654"):
             prompt = builder.build(case, session, prompts.get(case.extends))
             if case.prompt_tokens:
@@ -32,6 +32,8 @@ def test_default_sets_hit_their_exact_lengths(tokenizer):
     assert [c.name for c in load_cases(["default"])] == ["short-chat", "long-briefing", "context-extraction",
                                                          "code-context"]
     assert {c.phase for c in load_cases(["cache-sequence"])} == {CACHE_SEQUENCE}
+    assert [(c.prompt_tokens, c.max_tokens) for c in load_cases(["lengths"])] == [(128, 256), (512, 256),
+                                                                                  (2048, 256)]
 
 
 def test_extending_case_keeps_the_base_prompt_as_its_prefix(tiny_pair):

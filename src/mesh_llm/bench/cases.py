@@ -66,7 +66,16 @@ CONCURRENCY_CASES = [
          "for an executive in five bullet points.", context="briefing", prompt_tokens=640),
 ]
 
-CASE_SETS = {"default": DEFAULT_CASES, CACHE_SEQUENCE: CACHE_CASES, "concurrency": CONCURRENCY_CASES}
+# `--cases lengths`: one stream's first token and decode rate against the prompt's length (a short
+# chat turn, a file, a long agent context), 256 tokens each so the decode rate is read at each depth.
+LENGTH_CASES = [
+    Case(f"prompt-{n}", "Here is this week's project briefing.\n\n{context}\n\nSummarize the briefing "
+         "for an executive in five bullet points.", context="briefing", prompt_tokens=n, max_tokens=256)
+    for n in (128, 512, 2048)
+]
+
+CASE_SETS = {"default": DEFAULT_CASES, CACHE_SEQUENCE: CACHE_CASES, "concurrency": CONCURRENCY_CASES,
+             "lengths": LENGTH_CASES}
 
 
 def load_cases(names: list[str]) -> list[Case]:

@@ -37,7 +37,7 @@ def bench_command(
     backends: list[str] = typer.Option([], "--backends", help="Backends to run, comma-separated or repeated: "
                                        f"{', '.join(BACKENDS)}. Default: {', '.join(DEFAULT_BACKENDS)}, plus "
                                        "llama-server with --llama-server."),
-    cases: list[str] = typer.Option([], "--cases", help="default, cache-sequence, concurrency or a FILE.json; "
+    cases: list[str] = typer.Option([], "--cases", help="default, cache-sequence, concurrency, lengths or a FILE.json; "
                                     "repeatable. Default: default and cache-sequence; with --concurrency, "
                                     "concurrency (a 640-token prompt)."),
     concurrency: str | None = typer.Option(None, help="Stream counts, e.g. 1,4,8,16,32: per level N, N requests "
