@@ -800,6 +800,7 @@ lengths)  # carry [".device/x", ".device/elf"] after build, stage and the MLX in
   # three starts a backend (startup), no warm-up, so each length's first run is its first request
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
   llama_env
+  mkdir -p "$conc"
   for shape in ${LENGTH_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     wait_model "$shape"
     out=$conc/$shape-lengths
