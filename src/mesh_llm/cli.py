@@ -106,7 +106,7 @@ def serve(
                                             "twice (MLX)."),
     warm_up: Optional[bool] = typer.Option(None, "--warm-up/--no-warm-up", help="Run the shapes serving "
                                            "uses once before ready, so the first request is as fast as "
-                                           "later ones (default: on for MLX on a GPU)."),
+                                           "later ones (default: on a GPU, both engines)."),
     deterministic: bool = typer.Option(False, "--deterministic", help="llama engine on a CPU: a "
                                        "request's tokens and logprobs are bit for bit the same alone, "
                                        "batched or resumed from the prompt cache (bfloat16 KV cells: "

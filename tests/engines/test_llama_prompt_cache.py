@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,25 @@ def test_default_model_chat_turns_reuse_the_previous_prompt(pair):
     assert reused == len(prompt)
     assert second == run_until_eos(plain, follow)[0]
 
+
+
+@pytest.mark.parametrize("kind", ["smollm2", "mamba"])
+def test_the_warm_up_leaves_nothing_behind_and_changes_no_output(files, kind, caplog):
+    """The warm-up (on by default on a GPU, as llama-server's; ``--warm-up`` anywhere) runs before
+    the engine is returned, holds no sequence or cell afterwards, neither stores nor looks up a
+    prompt, and the requests after it get what a fresh engine gives, bit for bit."""
+    options = EngineOptions(ctx_size=512, threads=1, prefill_step=STEP.get(kind, 4), cache_bytes=1 << 30,
+                            max_batch=2, deterministic=True)
+    fresh = LlamaEngine.load(files[kind], options)
+    with caplog.at_level("INFO", logger="mesh_llm.engines.llama"):
+        warmed = LlamaEngine.load(files[kind], replace(options, warm_up=True))
+    try:
+        assert any("warm-up:" in r.getMessage() for r in caplog.records)
+        stats = warmed.cache_stats()
+        assert (stats["entries"], stats["hits"], stats["misses"], stats["kv_cells_used"]) == (0, 0, 0, 0)
+        prompt = randoms(random.Random(kind), kind, 40)
+        for _ in range(2):  # the second is served from the prompt cache in both
+            assert run(warmed, prompt) == run(fresh, prompt)
+    finally:
+        fresh.close()
+        warmed.close()

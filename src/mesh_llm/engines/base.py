@@ -58,7 +58,7 @@ class EngineOptions:
     kv_bytes: int | None = None  # memory the live sequences' KV may take; None: the engine's share of free
     cache_entries: int = 64  # most states the prompt cache keeps
     max_batch: int | None = None  # sequences decoded together; None: chosen from device and memory
-    warm_up: bool | None = None  # run serving's shapes once before ready; None: where it pays (MLX GPU)
+    warm_up: bool | None = None  # run serving's shapes once before ready; None: where it pays (a GPU)
     deterministic: bool = False  # llama engine on a CPU: bit for bit alone, batched or resumed (slower)
 
 

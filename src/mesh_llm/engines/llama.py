@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import os
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -110,6 +111,7 @@ class LlamaEngine(Engine):
         eos = ll.llama_vocab_eos(ll.llama_model_get_vocab(model))
         self._fallback = eos if eos != ll.LLAMA_TOKEN_NULL else min(self._tokenizer.eos_token_ids, default=0)
         self._checkpoints = llama_cache.needs_checkpoints(model)
+        self._warming = False  # the warm-up's sequences neither reuse nor store prompts
         size = default_cache_bytes(available_memory()) if options.cache_bytes is None else options.cache_bytes
         self._prompts = PromptCache(size, options.cache_entries, recompute=RECOMPUTE)
         self._sharing = self._prompts.enabled and not self._checkpoints
@@ -206,9 +208,53 @@ class LlamaEngine(Engine):
             reason = NATIVE_LOG.errors[0] if NATIVE_LOG.errors else "no reason given"
             raise EngineError(f"{path}: llama.cpp cannot create a context of {pool} cells: {reason}")
         gpu_layers = ll.llama_model_n_layer(model) if gpu else 0
-        return cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
-                   n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options,
-                   cells=cells, streams=streams, overcommit=overcommit and not streams)
+        engine = cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
+                     n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options,
+                     cells=cells, streams=streams, overcommit=overcommit and not streams)
+        if gpu if options.warm_up is None else options.warm_up:
+            try:
+                seconds = engine.warm_up()
+            except EngineError as e:  # serving may still work: say so, go on
+                log.warning("warm-up skipped: %s", e)
+            else:
+                log.info("warm-up: %.2f s (the pass sizes serving uses, run once)", seconds)
+        return engine
+
+    def warm_up(self) -> float:
+        """Run once, before ready, the passes serving makes, as llama-server does at its start: on an
+        H100 (2026-12-06, ``benchmarks/results/h100-20261206f/lengths/``) a fresh process's first
+        request took 69-228 ms for a 19-token prompt against 15-30 ms later, and its first pass of
+        each size (about 125 prompt tokens, then about 500) 34-120 ms against 7-17. Two short
+        prompts read and decoded together, then one each of 128 tokens, a chunk and a whole pass,
+        each decoding four tokens. Nothing reaches the prompt cache. Returns seconds."""
+        started = time.perf_counter()
+        greedy, budget = SamplingParams(temperature=0.0), self._batch.capacity
+        room = self._n_ctx_seq - 8
+        sizes = sorted({n for n in (min(n, room) for n in (16, 128, self._step, budget - self._max_batch))
+                        if n > 0})
+        rows = min(self._max_batch, 2)
+        self._warming = True
+        try:
+            for size in sizes:
+                for row in range(rows if size == sizes[0] else 1):
+                    self.add(-1 - row, [(5 * i + 7 * row + size) % self._n_vocab for i in range(size)], greedy, 4)
+                produced = dict.fromkeys(self._slots, 0)
+                for _ in range(64):  # bounded: a pass that finds no room returns nothing
+                    for seq, _step in self.step(budget):
+                        produced[seq] += 1
+                    if min(produced.values()) >= 4:
+                        break
+                for seq in list(self._slots):
+                    self.remove(seq)
+        finally:
+            for seq in list(self._slots):
+                self.remove(seq)
+            self._warming = False
+        return time.perf_counter() - started
+
+    @property
+    def _caching(self) -> bool:
+        return self._prompts.enabled and not self._warming
 
     @property
     def tokenizer(self) -> LlamaTokenizer:
@@ -305,7 +351,7 @@ class LlamaEngine(Engine):
     def _release(self, slot: Slot) -> None:
         """Offer the slot's state to the prompt cache and free its cells and sequence id."""
         try:
-            if slot.started and self._prompts.enabled and slot.id not in self._pending:
+            if slot.started and self._caching and slot.id not in self._pending:
                 self._store(slot)
         finally:
             ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
@@ -401,7 +447,7 @@ class LlamaEngine(Engine):
         sequence, or restored from the prompt cache. False: it waits (for a running sequence to read
         more of a prompt it shares, or for room)."""
         source, share = self._best_share(slot.prompt)
-        stored = self._prompts.peek(slot.prompt) if self._prompts.enabled else 0
+        stored = self._prompts.peek(slot.prompt) if self._caching else 0
         if patient and self._worth_waiting(slot, max(share, stored)):
             return False
         total = len(slot.prompt) + (self._headroom(slot) if self._overcommit else slot.max_tokens)
@@ -423,7 +469,7 @@ class LlamaEngine(Engine):
                 reused = 0
             slot.begin(reused, None)
         else:
-            if self._prompts.enabled:
+            if self._caching:
                 self._prompts.record(share)
             if share and self._streams:
                 self._copy(source.id, slot.id, share)
@@ -574,7 +620,7 @@ class LlamaEngine(Engine):
     def _checkpoint(self, slot: Slot) -> None:
         """Store a recurrent or sliding-window sequence's state at the prefill marks (see llama_cache)."""
         end, stop = len(slot.held), len(slot.prompt)
-        if (self._checkpoints and self._prompts.enabled and slot.exact == end <= stop
+        if (self._checkpoints and self._caching and slot.exact == end <= stop
                 and (end % self._step == 0 or end == stop - RECOMPUTE)):
             self._prompts.insert(slot.held, SequenceState(self._ctx, slot.id, trimmable=False))
 
