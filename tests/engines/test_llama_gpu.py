@@ -2,7 +2,8 @@
 crashes the process whatever was imported first. A CUDA build that carries its own libstdc++ crashed
 at model load when numpy came first (issue 9, mesh_llm/native.py): importing mesh_llm first loads it
 first, and after numpy the engine refuses with the reason; a build that keeps libstdc++ to itself
-generates in every order. And one pass reads several newcomers' prompt chunks. Runs on the GPU
+generates in every order, after its warm-up (on by default on a GPU). And one pass reads several
+newcomers' prompt chunks. Runs on the GPU
 machine with a CUDA llama.cpp (``LLAMA_CPP_LIB_PATH``) and ``MESH_LLM_GPU_GGUF`` naming a model;
 skipped elsewhere."""
 
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.gpu("llama")
 GGUF = os.environ.get("MESH_LLM_GPU_GGUF")
 
 SCRIPT = textwrap.dedent("""
-    import sys
+    import logging, sys
     FIRST
+    logging.basicConfig(level="INFO")  # the warm-up's line: on by default on a GPU
     from mesh_llm.engines.base import EngineOptions, SamplingParams
     from mesh_llm.engines.llama import LlamaEngine
     engine = LlamaEngine.load(sys.argv[1], EngineOptions(ctx_size=1024, max_batch=4))
@@ -52,7 +54,8 @@ def test_loads_and_generates_on_the_gpu_or_says_why_whatever_was_imported_first(
         print("refused, as it must for this build:", done.stderr.strip().splitlines()[-1][:200])
         return
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
-    print(done.stdout.strip().splitlines()[-1])
+    assert "warm-up:" in done.stderr and "warm-up skipped" not in done.stderr, done.stderr[-3000:]
+    print(done.stdout.strip().splitlines()[-1], [ln for ln in done.stderr.splitlines() if "warm-up" in ln])
 
 
 PASS_SCRIPT = textwrap.dedent("""
