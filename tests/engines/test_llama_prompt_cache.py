@@ -233,7 +233,6 @@ def test_default_model_chat_turns_reuse_the_previous_prompt(pair):
     assert second == run_until_eos(plain, follow)[0]
 
 
-
 @pytest.mark.parametrize("kind", ["smollm2", "mamba"])
 def test_the_warm_up_leaves_nothing_behind_and_changes_no_output(files, kind, caplog):
     """The warm-up (on by default on a GPU, as llama-server's; ``--warm-up`` anywhere) runs before

@@ -214,8 +214,8 @@ class LlamaEngine(Engine):
         if gpu if options.warm_up is None else options.warm_up:
             try:
                 seconds = engine.warm_up()
-            except EngineError as e:  # serving may still work: say so, go on
-                log.warning("warm-up skipped: %s", e)
+            except (EngineError, NoCapacity) as e:  # a pool too small for a whole pass: serving goes on
+                log.warning("warm-up cut short: %s", e)
             else:
                 log.info("warm-up: %.2f s (the pass sizes serving uses, run once)", seconds)
         return engine
