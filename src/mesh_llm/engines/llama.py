@@ -223,8 +223,8 @@ class LlamaEngine(Engine):
     def warm_up(self) -> float:
         """Run once, before ready, the passes serving makes, as llama-server does at its start: on an
         H100 (2026-12-06, ``benchmarks/results/h100-20261206f/lengths/``) a fresh process's first
-        request took 69-228 ms for a 19-token prompt against 15-30 ms later, and its first pass of
-        each size (about 125 prompt tokens, then about 500) 34-120 ms against 7-17. Two short
+        request took 69-228 ms for a 19-token prompt, where a later 128-token one took 7-17 ms, and
+        its first pass of each size (about 125 prompt tokens, then about 500) 34-120 ms. Two short
         prompts read and decoded together, then one each of 128 tokens, a chunk and a whole pass,
         each decoding four tokens. Nothing reaches the prompt cache. Returns seconds."""
         started = time.perf_counter()
