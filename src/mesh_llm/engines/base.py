@@ -15,6 +15,7 @@ Engines are not thread-safe: the runtime creates, uses and closes each one on a 
 from __future__ import annotations
 
 import abc
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -189,6 +190,23 @@ class Tokenizer(Protocol):
         it (:class:`~mesh_llm.engines.token_floor.TokenFloor`): a prompt that cannot fit the context
         is refused before a tokenizer spends long on it."""
         ...
+
+
+def warm_up_before_ready(engine, options: EngineOptions, gpu: bool) -> float | None:
+    """Run ``engine.warm_up()`` where asked (``--warm-up``), by default on a GPU, whose first use of
+    each shape costs most. Returns its seconds, or None where it did not run or was cut short: a
+    warm-up that finds no room (``NoCapacity``) or fails says so in the engine's log, and serving
+    goes on."""
+    if not (gpu if options.warm_up is None else options.warm_up):
+        return None
+    log = logging.getLogger(type(engine).__module__)
+    try:
+        seconds = engine.warm_up()
+    except (EngineError, NoCapacity) as e:
+        log.warning("warm-up cut short: %s", e)
+        return None
+    log.info("warm-up: %.2f s (the shapes serving uses, run once before ready)", seconds)
+    return seconds
 
 
 class Engine(abc.ABC):

@@ -48,6 +48,7 @@ from mesh_llm.engines.base import (
     SamplingParams,
     Step,
     fit_context,
+    warm_up_before_ready,
 )
 from mesh_llm.engines.llama_batch import Batch, Sampler, Slot, cells_in_use, plan_pool
 from mesh_llm.engines.llama_cache import RECOMPUTE, SequenceState, batch_ends, common_prefix, next_chunk
@@ -211,13 +212,7 @@ class LlamaEngine(Engine):
         engine = cls(path, meta, model, ctx, threads=threads, gpu_layers=gpu_layers, max_batch=max_batch,
                      n_ctx_seq=n_ctx_seq, prefill_step=step, cell_bytes=cell_bytes, options=options,
                      cells=cells, streams=streams, overcommit=overcommit and not streams)
-        if gpu if options.warm_up is None else options.warm_up:
-            try:
-                seconds = engine.warm_up()
-            except (EngineError, NoCapacity) as e:  # a pool too small for a whole pass: serving goes on
-                log.warning("warm-up cut short: %s", e)
-            else:
-                log.info("warm-up: %.2f s (the pass sizes serving uses, run once)", seconds)
+        warm_up_before_ready(engine, options, gpu)
         return engine
 
     def warm_up(self) -> float:

@@ -51,6 +51,7 @@ from mesh_llm.engines.base import (
     Step,
     Tokenizer,
     fit_context,
+    warm_up_before_ready,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
@@ -239,14 +240,8 @@ class MLXEngine(Engine):
         if kernels:
             details["kernel_cache"] = kernels
         engine = cls(model, tokenizer, config, ctx, options, details, fmt, traced=traced, bucket=bucket)
-        if on_gpu() if options.warm_up is None else options.warm_up:
-            try:
-                seconds = engine.warm_up()
-            except (EngineError, NoCapacity) as e:  # serving may still work: say so, go on
-                log.warning("warm-up skipped: %s", e)
-            else:
-                details["warm_up"] = f"{seconds:.1f} s"
-                log.info("warm-up: %.1f s (the shapes serving uses, compiled and planned once)", seconds)
+        if (seconds := warm_up_before_ready(engine, options, on_gpu())) is not None:
+            details["warm_up"] = f"{seconds:.1f} s"
         return engine
 
     @property
