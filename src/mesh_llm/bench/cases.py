@@ -42,10 +42,13 @@ class Prompt:
     tokens: int
 
 
+# the long-prompt cases' request: a briefing of the case's length, summarized
+SUMMARIZE_BRIEFING = ("Here is this week's project briefing.\n\n{context}\n\nSummarize the briefing for an "
+                      "executive in five bullet points.")
+
 DEFAULT_CASES = [
     Case("short-chat", "Explain in a few sentences why the sky is blue."),
-    Case("long-briefing", "Here is this week's project briefing.\n\n{context}\n\nSummarize the briefing "
-         "for an executive in five bullet points.", context="briefing", prompt_tokens=1024),
+    Case("long-briefing", SUMMARIZE_BRIEFING, context="briefing", prompt_tokens=1024),
     Case("context-extraction", "Customer records:\n\n{context}\n\nList every customer who lives in Porto, "
          "with their balance.", context="records", prompt_tokens=512,
          system="You extract facts from the text you are given. Answer only from it."),
@@ -62,15 +65,13 @@ CACHE_CASES = [
 
 # `--concurrency`: N of these at once, each with its own session tag, so no stream reuses another's prompt.
 CONCURRENCY_CASES = [
-    Case("briefing-640", "Here is this week's project briefing.\n\n{context}\n\nSummarize the briefing "
-         "for an executive in five bullet points.", context="briefing", prompt_tokens=640),
+    Case("briefing-640", SUMMARIZE_BRIEFING, context="briefing", prompt_tokens=640),
 ]
 
 # `--cases lengths`: one stream's first token and decode rate against the prompt's length (a short
 # chat turn, a file, a long agent context), 256 tokens each so the decode rate is read at each depth.
 LENGTH_CASES = [
-    Case(f"prompt-{n}", "Here is this week's project briefing.\n\n{context}\n\nSummarize the briefing "
-         "for an executive in five bullet points.", context="briefing", prompt_tokens=n, max_tokens=256)
+    Case(f"prompt-{n}", SUMMARIZE_BRIEFING, context="briefing", prompt_tokens=n, max_tokens=256)
     for n in (128, 512, 2048)
 ]
 
