@@ -794,6 +794,26 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
     logs_to_out beside-logs.tar.gz
   fi
   ;;
+first-request)  # carry [] after the MLX install (and the build, for VARIANTS with llama): issue 11's
+  # fresh server's first request without HTTP: the bench's probe, then rounds of one PROMPT-token request
+  # through the scheduler (benchmarks/scheduler_rounds.py --probe), every engine step timed, the
+  # slowest profiled, kernels compiled counted; MLX also with mx.clear_cache doing nothing (mlx-keep)
+  for shape in ${SHAPES:-qwen2.5-0.5b}; do
+    wait_model "$shape"
+    for variant in ${VARIANTS:-mlx mlx-keep llama}; do
+      case $variant in
+        mlx) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx "$models/$shape-mlx") ;;
+        mlx-keep) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx --keep-buffers "$models/$shape-mlx") ;;
+        llama) llama_env; args=(--engine llama "$models/$shape.gguf") ;;
+      esac
+      echo "== $shape, $variant"
+      timeout 150 python3 benchmarks/scheduler_rounds.py "${args[@]}" --streams 1 --rounds "${ROUNDS:-3}" \
+        --prompt "${PROMPT:-128}" --tokens 64 --probe --profile --ctx-size 4096 2>&1 | grep -v Warning \
+        > "$OUT/first-$shape-$variant.txt" || true
+      grep "^|\|^loaded\|Error" "$OUT/first-$shape-$variant.txt" | cut -c1-400
+    done
+  done
+  ;;
 lengths)  # carry [".device/x", ".device/elf"] after build, stage and the MLX install: issue 11's one
   # stream against the prompt's length: `mesh-llm bench --cases lengths` (128, 512 and 2,048 prompt
   # tokens, 256 out, EOS ignored), mesh-mlx beside llama-server and the llama engine, both shapes;

@@ -2,7 +2,7 @@
 HTTP: time to first token and summed rate per round, every engine step timed, the slow steps listed.
 
     python3 benchmarks/scheduler_rounds.py MODEL [--engine mlx] [--streams 8] [--rounds 3]
-        [--prompt 640] [--tokens 256] [--profile]
+        [--prompt 640] [--tokens 256] [--probe] [--profile] [--keep-buffers]
 
 It separates what the engine and the scheduler cost from what HTTP adds (compare with
 ``mesh-llm bench --concurrency`` on the same model), and finds stalls: a step that takes many times
@@ -10,7 +10,13 @@ the median (a kernel compiled on first use of a shape, a copy, a collection) sho
 step carried. The prompts of a round share a 6-token prefix, as chat prompts share their template's,
 so later rounds start from the prompt cache as they would behind the server. ``--profile`` runs
 cProfile around every engine step and prints the functions that took the most time in the steps
-that took longest. Prints a table; JSON to --out.
+that took longest. ``--probe`` sends first what ``mesh-llm bench`` sends a fresh server before its cases
+(a 19-token prompt, one token out), so that round 0 is the bench's first request (issue 11: a fresh
+server's first 128-token request took 2.3-4.7x later ones). Where MLX keeps its compiled kernels
+(``MLX_PTX_CACHE_DIR``), each round counts the files it added: a kernel compiled on first use.
+``--keep-buffers`` makes ``mx.clear_cache`` do nothing in this process (the warm-up's last call
+included), to see whether a first request pays for buffers allocated afresh. Prints a table; JSON to
+--out.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import threading
@@ -66,6 +73,11 @@ def prompts_for(round_: int, streams: int, length: int, vocab: int) -> list[list
             for i in range(streams)]
 
 
+def kernel_files() -> int | None:
+    folder = os.environ.get("MLX_PTX_CACHE_DIR")
+    return sum(len(files) for _, _, files in os.walk(folder)) if folder else None
+
+
 def run_round(worker: ModelWorker, engine: TimedEngine, prompts, tokens: int) -> dict:
     done = threading.Event()
     left = [len(prompts)]
@@ -88,7 +100,7 @@ def run_round(worker: ModelWorker, engine: TimedEngine, prompts, tokens: int) ->
                         done.set()
         return deliver
 
-    steps_before = len(engine.steps)
+    steps_before, kernels_before = len(engine.steps), kernel_files()
     sent = time.perf_counter()
     for i, prompt in enumerate(prompts):
         worker.submit(GenerationRequest(prompt=prompt, params=SamplingParams(temperature=0.0),
@@ -102,12 +114,15 @@ def run_round(worker: ModelWorker, engine: TimedEngine, prompts, tokens: int) ->
     slow = [{"at_ms": round(1000 * (s["t"] - sent), 1), "ms": round(s["ms"], 1), "tokens": s["tokens"],
              "budget": s["budget"]} for s in steps if s["ms"] > max(5 * median, median + 20)]
     decode_steps = [s["ms"] for s in steps if s["tokens"] == len(prompts)]
+    kernels = kernel_files()
     return {
         "streams": len(prompts), "wall_s": wall, "summed_tok_s": sum(counts.values()) / wall,
         "ttft_p50_ms": 1000 * ttft[len(ttft) // 2], "ttft_max_ms": 1000 * ttft[-1],
         "steps": len(steps), "step_median_ms": median,
         "full_step_median_ms": statistics.median(decode_steps) if decode_steps else None,
         "slow_steps": slow[:20],
+        "first_steps_ms": [round(s["ms"], 1) for s in steps[:4]],
+        "kernels_added": None if kernels is None else kernels - kernels_before,
     }
 
 
@@ -122,7 +137,10 @@ def main() -> None:
     parser.add_argument("--ctx-size", type=int, default=2048)
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--probe", action="store_true", help="first, a 19-token prompt, one token out")
+    parser.add_argument("--keep-buffers", action="store_true", help="mx.clear_cache does nothing")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None)
+    parser.add_argument("--warm-up", dest="warm_up", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="the llama engine's bfloat16 KV cells")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", type=Path)
@@ -130,8 +148,12 @@ def main() -> None:
     levels = [int(n) for n in args.streams.split(",")]
     options = EngineOptions(ctx_size=args.ctx_size, max_batch=max(levels), prefill_step=args.prefill_step,
                             warm_up=args.warm_up, deterministic=args.deterministic, threads=args.threads)
+    cls = engine_class(args.engine)
+    if args.keep_buffers:
+        import mlx.core as mx  # after the engine's module, which readies MLX's BLAS first
+        mx.clear_cache = lambda: None
     started = time.perf_counter()
-    engine = TimedEngine(engine_class(args.engine).load(args.model, options), args.profile)
+    engine = TimedEngine(cls.load(args.model, options), args.profile)
     loaded = time.perf_counter() - started
     worker = ModelWorker("bench", lambda: engine, prefill_budget=args.prefill_step)
     worker.start()
@@ -143,8 +165,12 @@ def main() -> None:
     rows = []
     print(f"loaded in {loaded:.1f} s: {details}")
     print("| streams | round | TTFT p50 ms | TTFT max ms | summed tok/s | steps | median step ms | "
-          "all-rows step ms | slow steps (at ms: ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "all-rows step ms | first steps ms | kernels added | slow steps (at ms: ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    if args.probe:
+        probe = run_round(worker, engine, prompts_for(99, 1, 19, vocab), 1)
+        print(f"| probe | - | {probe['ttft_p50_ms']:.0f} | | | {probe['steps']} | | | "
+              f"{probe['first_steps_ms']} | {probe['kernels_added']} | |", flush=True)
     for n in levels:
         for r in range(args.rounds):
             row = run_round(worker, engine, prompts_for(len(rows), n, args.prompt, vocab), args.tokens)
@@ -154,7 +180,8 @@ def main() -> None:
             full = row["full_step_median_ms"]
             print(f"| {n} | {r} | {row['ttft_p50_ms']:.0f} | {row['ttft_max_ms']:.0f} | "
                   f"{row['summed_tok_s']:.1f} | {row['steps']} | {row['step_median_ms']:.2f} | "
-                  f"{'' if full is None else f'{full:.2f}'} | {slow} |", flush=True)
+                  f"{'' if full is None else f'{full:.2f}'} | {row['first_steps_ms']} | "
+                  f"{row['kernels_added']} | {slow} |", flush=True)
     worker.stop()
     if args.profile:
         for dt, profiler in engine.profiles:
