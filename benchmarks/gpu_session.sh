@@ -798,16 +798,20 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
   # fresh server's first request without HTTP: the bench's probe, then rounds of one PROMPT-token request
   # through the scheduler (benchmarks/scheduler_rounds.py --probe), every engine step timed, the
   # slowest profiled, kernels compiled counted; MLX also with mx.clear_cache doing nothing (mlx-keep)
+  # and with room for 4,000 CUDA graphs (mlx-graphs; MLX keeps 400)
   for shape in ${SHAPES:-qwen2.5-0.5b}; do
     wait_model "$shape"
     for variant in ${VARIANTS:-mlx mlx-keep llama}; do
+      pre=(env)
       case $variant in
         mlx) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx "$models/$shape-mlx") ;;
         mlx-keep) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx --keep-buffers "$models/$shape-mlx") ;;
+        mlx-graphs) mlx_env; unset LLAMA_CPP_LIB_PATH; pre=(env MLX_CUDA_GRAPH_CACHE_SIZE=4000)
+          args=(--engine mlx "$models/$shape-mlx") ;;
         llama) llama_env; args=(--engine llama "$models/$shape.gguf") ;;
       esac
       echo "== $shape, $variant"
-      timeout 150 python3 benchmarks/scheduler_rounds.py "${args[@]}" --streams 1 --rounds "${ROUNDS:-3}" \
+      timeout 150 "${pre[@]}" python3 benchmarks/scheduler_rounds.py "${args[@]}" --streams 1 --rounds "${ROUNDS:-3}" \
         --prompt "${PROMPT:-128}" --tokens 64 --probe --profile --ctx-size 4096 2>&1 | grep -v Warning \
         > "$OUT/first-$shape-$variant.txt" || true
       grep "^|\|^loaded\|Error" "$OUT/first-$shape-$variant.txt" | cut -c1-400
