@@ -797,7 +797,7 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
 first-request)  # carry [] after the MLX install (and the build, for VARIANTS with llama): issue 11's
   # fresh server's first request without HTTP: the bench's probe, then rounds of one PROMPT-token request
   # through the scheduler (benchmarks/scheduler_rounds.py --probe), every engine step timed, the
-  # slowest profiled, kernels compiled counted; MLX also with mx.clear_cache doing nothing (mlx-keep)
+  # slowest profiled (PROFILE=1), kernels compiled counted; MLX also with mx.clear_cache doing nothing (mlx-keep)
   # and with room for 4,000 CUDA graphs (mlx-graphs; MLX keeps 400)
   for shape in ${SHAPES:-qwen2.5-0.5b}; do
     wait_model "$shape"
@@ -812,7 +812,7 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
       esac
       echo "== $shape, $variant"
       timeout 150 "${pre[@]}" python3 benchmarks/scheduler_rounds.py "${args[@]}" --streams 1 --rounds "${ROUNDS:-3}" \
-        --prompt "${PROMPT:-128}" --tokens 64 --probe --profile --ctx-size 4096 2>&1 | grep -v Warning \
+        --prompt "${PROMPT:-128,512,2048}" --tokens 64 --probe ${PROFILE:+--profile} --ctx-size 4096 2>&1 | grep -v Warning \
         > "$OUT/first-$shape-$variant.txt" || true
       grep "^|\|^loaded\|Error" "$OUT/first-$shape-$variant.txt" | cut -c1-400
     done

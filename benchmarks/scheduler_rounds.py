@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--engine", default="mlx")
     parser.add_argument("--streams", default="1,8", help="comma-separated: requests per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompt", type=int, default=640)
+    parser.add_argument("--prompt", default="640", help="comma-separated: prompt tokens, rounds of each in turn")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--ctx-size", type=int, default=2048)
     parser.add_argument("--prefill-step", type=int, default=512)
@@ -164,21 +164,21 @@ def main() -> None:
     details = engine.info().details
     rows = []
     print(f"loaded in {loaded:.1f} s: {details}")
-    print("| streams | round | TTFT p50 ms | TTFT max ms | summed tok/s | steps | median step ms | "
+    print("| streams | prompt | round | TTFT p50 ms | TTFT max ms | summed tok/s | steps | median step ms | "
           "all-rows step ms | first steps ms | kernels added | slow steps (at ms: ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     if args.probe:
         probe = run_round(worker, engine, prompts_for(99, 1, 19, vocab), 1)
-        print(f"| probe | - | {probe['ttft_p50_ms']:.0f} | | | {probe['steps']} | | | "
+        print(f"| probe | 19 | - | {probe['ttft_p50_ms']:.0f} | | | {probe['steps']} | | | "
               f"{probe['first_steps_ms']} | {probe['kernels_added']} | |", flush=True)
-    for n in levels:
+    for n, length in [(n, int(p)) for n in levels for p in args.prompt.split(",")]:
         for r in range(args.rounds):
-            row = run_round(worker, engine, prompts_for(len(rows), n, args.prompt, vocab), args.tokens)
-            row["round"] = r
+            row = run_round(worker, engine, prompts_for(len(rows), n, length, vocab), args.tokens)
+            row["round"], row["prompt"] = r, length
             rows.append(row)
             slow = ", ".join(f"{s['at_ms']:.0f}: {s['ms']:.0f}" for s in row["slow_steps"][:6])
             full = row["full_step_median_ms"]
-            print(f"| {n} | {r} | {row['ttft_p50_ms']:.0f} | {row['ttft_max_ms']:.0f} | "
+            print(f"| {n} | {length} | {r} | {row['ttft_p50_ms']:.0f} | {row['ttft_max_ms']:.0f} | "
                   f"{row['summed_tok_s']:.1f} | {row['steps']} | {row['step_median_ms']:.2f} | "
                   f"{'' if full is None else f'{full:.2f}'} | {row['first_steps_ms']} | "
                   f"{row['kernels_added']} | {slow} |", flush=True)
