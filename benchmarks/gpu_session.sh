@@ -806,6 +806,7 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
       case $variant in
         mlx) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx "$models/$shape-mlx") ;;
         mlx-keep) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx --keep-buffers "$models/$shape-mlx") ;;
+        mlx-here) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx --load-here "$models/$shape-mlx") ;;
         mlx-graphs) mlx_env; unset LLAMA_CPP_LIB_PATH; pre=(env MLX_CUDA_GRAPH_CACHE_SIZE=4000)
           args=(--engine mlx "$models/$shape-mlx") ;;
         llama) llama_env; args=(--engine llama "$models/$shape.gguf") ;;

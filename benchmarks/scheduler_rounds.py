@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--probe", action="store_true", help="first, a 19-token prompt, one token out")
     parser.add_argument("--keep-buffers", action="store_true", help="mx.clear_cache does nothing")
+    parser.add_argument("--load-here", action="store_true", help="load (and warm up) on the main thread, "
+                        "not the worker's")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None)
     parser.add_argument("--warm-up", dest="warm_up", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="the llama engine's bfloat16 KV cells")
@@ -153,13 +155,20 @@ def main() -> None:
         import mlx.core as mx  # after the engine's module, which readies MLX's BLAS first
         mx.clear_cache = lambda: None
     started = time.perf_counter()
-    engine = TimedEngine(cls.load(args.model, options), args.profile)
-    loaded = time.perf_counter() - started
-    worker = ModelWorker("bench", lambda: engine, prefill_budget=args.prefill_step)
+    held: list[TimedEngine] = []
+
+    def load() -> TimedEngine:  # on the worker's thread, as the server loads (MLX's CUDA encoders,
+        held.append(TimedEngine(cls.load(args.model, options), args.profile))  # graphs: per thread)
+        return held[0]
+
+    if args.load_here:
+        load()
+    worker = ModelWorker("bench", (lambda: held[0]) if args.load_here else load, prefill_budget=args.prefill_step)
     worker.start()
     worker.wait_ready()
     if worker.load_error:
         raise worker.load_error
+    engine, loaded = held[0], time.perf_counter() - started
     vocab = engine.tokenizer.vocab_size
     details = engine.info().details
     rows = []
