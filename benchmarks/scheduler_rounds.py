@@ -135,7 +135,8 @@ def main() -> None:
     parser.add_argument("--prompt", default="640", help="comma-separated: prompt tokens, rounds of each in turn")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--ctx-size", type=int, default=2048)
-    parser.add_argument("--prefill-step", type=int, default=512)
+    parser.add_argument("--prefill-step", type=int, help="default: the engine's, as the server's")
+    parser.add_argument("--max-batch", type=int, help="default: the most streams of a round")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--probe", action="store_true", help="first, a 19-token prompt, one token out")
     parser.add_argument("--keep-buffers", action="store_true", help="mx.clear_cache does nothing")
@@ -148,7 +149,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     levels = [int(n) for n in args.streams.split(",")]
-    options = EngineOptions(ctx_size=args.ctx_size, max_batch=max(levels), prefill_step=args.prefill_step,
+    options = EngineOptions(ctx_size=args.ctx_size, max_batch=args.max_batch or max(levels), prefill_step=args.prefill_step,
                             warm_up=args.warm_up, deterministic=args.deterministic, threads=args.threads)
     cls = engine_class(args.engine)
     if args.keep_buffers:
