@@ -822,9 +822,13 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
 lengths)  # carry [".device/x", ".device/elf"] after build, stage and the MLX install: issue 11's one
   # stream against the prompt's length: `mesh-llm bench --cases lengths` (128, 512 and 2,048 prompt
   # tokens, 256 out, EOS ignored), mesh-mlx beside llama-server and the llama engine, both shapes;
-  # three starts a backend (startup), no warm-up, so each length's first run is its first request
+  # three starts a backend (startup), no warm-up, so each length's first run is its first request.
+  # LENGTH_BACKENDS=mesh-mlx waits for no llama.cpp build (MESH_LLM_LOG_LEVEL=debug: every step logged)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
-  llama_env
+  case ${LENGTH_BACKENDS:-llama} in
+    *llama*) llama_env ;;
+    *) mlx_env; unset LLAMA_CPP_LIB_PATH ;;
+  esac
   mkdir -p "$conc"
   for shape in ${LENGTH_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     wait_model "$shape"
