@@ -212,8 +212,10 @@ build)
   cp -r .device/llama /tmp/dl/.device/llama
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/llama/gguf-*.whl \
     .device/llama/diskcache-*.whl
-  (cd /tmp/dl && setsid nohup bash .device/llama/build-llama.sh > /tmp/llama-build.log 2>&1 &)
-  echo "llama.cpp build started"
+  if [ -z "${NO_LLAMA:-}" ]; then  # NO_LLAMA=1: MLX alone, its timings on a quiet host
+    (cd /tmp/dl && setsid nohup bash .device/llama/build-llama.sh > /tmp/llama-build.log 2>&1 &)
+    echo "llama.cpp build started"
+  fi
   # the random-weight models, from a copy of the code (the next calls replace the working tree)
   rm -rf /tmp/synth-src && cp -r src /tmp/synth-src
   (cd /tmp && PYTHONPATH=/tmp/synth-src:/tmp/site setsid nohup bash -c 'for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
