@@ -237,6 +237,44 @@ def test_the_hold_is_bounded_and_a_lone_request_is_not_held(worker, caplog, monk
     assert len(_steps(caplog)) == 4, _steps(caplog)  # two steps each, none held for the lone
 
 
+def test_the_engine_is_loaded_warmed_up_and_stepped_on_one_thread(default_gguf):
+    """The worker's own thread loads the engine (its warm-up included) and runs every step: MLX's
+    CUDA backend keeps its command encoders (each with its CUDA graph cache) and cuBLAS handles per
+    thread (``thread_local`` in mlx 0.32), so a warm-up on another thread would warm nothing that
+    serving uses."""
+    from mesh_llm.engines.llama import LlamaEngine
+
+    seen: dict[str, set[int]] = {"load": set(), "step": set()}
+
+    class Recorded:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        def step(self, budget):
+            seen["step"].add(threading.get_ident())
+            return self._engine.step(budget)
+
+    def load():
+        seen["load"].add(threading.get_ident())
+        options = EngineOptions(ctx_size=512, max_batch=2, cache_bytes=0, warm_up=True)
+        return Recorded(LlamaEngine.load(default_gguf, options))
+
+    w = ModelWorker("one-thread", load)
+    w.start()
+    try:
+        assert w.wait_ready(120) and w.ready, w.load_error
+        c = Collector()
+        w.submit(request(w, "Count to three:", max_tokens=3, ignore_eos=True), c)
+        assert c.final.finish_reason == "length"
+    finally:
+        w.stop()
+    assert seen["step"] and seen["step"] == seen["load"], seen
+    assert threading.get_ident() not in seen["load"]
+
+
 def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog):
     """Without a budget of its own the worker reads as many prompt tokens a step as the engine's
     chunk (``EngineInfo.prefill_step``, which an engine may choose: 1,024 tokens for MLX on a GPU),
