@@ -2,7 +2,7 @@
 HTTP: time to first token and summed rate per round, every engine step timed, the slow steps listed.
 
     python3 benchmarks/scheduler_rounds.py MODEL [--engine mlx] [--streams 8] [--rounds 3]
-        [--prompt 640] [--tokens 256] [--probe] [--profile] [--keep-buffers]
+        [--prompt 640[,2048...]] [--tokens 256] [--probe] [--profile] [--keep-buffers] [--load-here]
 
 It separates what the engine and the scheduler cost from what HTTP adds (compare with
 ``mesh-llm bench --concurrency`` on the same model), and finds stalls: a step that takes many times
@@ -15,8 +15,10 @@ that took longest. ``--probe`` sends first what ``mesh-llm bench`` sends a fresh
 server's first 128-token request took 2.3-4.7x later ones). Where MLX keeps its compiled kernels
 (``MLX_PTX_CACHE_DIR``), each round counts the files it added: a kernel compiled on first use.
 ``--keep-buffers`` makes ``mx.clear_cache`` do nothing in this process (the warm-up's last call
-included), to see whether a first request pays for buffers allocated afresh. Prints a table; JSON to
---out.
+included), to see whether a first request pays for buffers allocated afresh. The engine loads (and
+warms up) on the worker's thread, as behind the server: MLX's CUDA backend keeps its graph caches and
+cuBLAS handles per thread, and ``--load-here`` (the main thread) shows what a warm-up on another
+thread leaves cold. Prints a table; JSON to --out.
 """
 
 from __future__ import annotations
@@ -149,8 +151,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     levels = [int(n) for n in args.streams.split(",")]
-    options = EngineOptions(ctx_size=args.ctx_size, max_batch=args.max_batch or max(levels), prefill_step=args.prefill_step,
-                            warm_up=args.warm_up, deterministic=args.deterministic, threads=args.threads)
+    options = EngineOptions(ctx_size=args.ctx_size, max_batch=args.max_batch or max(levels),
+                            prefill_step=args.prefill_step, warm_up=args.warm_up, deterministic=args.deterministic, threads=args.threads)
     cls = engine_class(args.engine)
     if args.keep_buffers:
         import mlx.core as mx  # after the engine's module, which readies MLX's BLAS first
@@ -158,13 +160,14 @@ def main() -> None:
     started = time.perf_counter()
     held: list[TimedEngine] = []
 
-    def load() -> TimedEngine:  # on the worker's thread, as the server loads (MLX's CUDA encoders,
-        held.append(TimedEngine(cls.load(args.model, options), args.profile))  # graphs: per thread)
+    def load() -> TimedEngine:
+        held.append(TimedEngine(cls.load(args.model, options), args.profile))
         return held[0]
 
     if args.load_here:
         load()
-    worker = ModelWorker("bench", (lambda: held[0]) if args.load_here else load, prefill_budget=args.prefill_step)
+    worker = ModelWorker("bench", (lambda: held[0]) if args.load_here else load,
+                         prefill_budget=args.prefill_step)
     worker.start()
     worker.wait_ready()
     if worker.load_error:
