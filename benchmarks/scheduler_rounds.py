@@ -134,7 +134,8 @@ def main() -> None:
     parser.add_argument("--engine", default="mlx")
     parser.add_argument("--streams", default="1,8", help="comma-separated: requests per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompt", default="640", help="comma-separated: prompt tokens, rounds of each in turn")
+    parser.add_argument("--prompt", default="640", help="comma-separated: prompt tokens, rounds of each "
+                        "in turn")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--ctx-size", type=int, default=2048)
     parser.add_argument("--prefill-step", type=int, help="default: the engine's, as the server's")
@@ -152,7 +153,8 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(n) for n in args.streams.split(",")]
     options = EngineOptions(ctx_size=args.ctx_size, max_batch=args.max_batch or max(levels),
-                            prefill_step=args.prefill_step, warm_up=args.warm_up, deterministic=args.deterministic, threads=args.threads)
+                            prefill_step=args.prefill_step, warm_up=args.warm_up,
+                            deterministic=args.deterministic, threads=args.threads)
     cls = engine_class(args.engine)
     if args.keep_buffers:
         import mlx.core as mx  # after the engine's module, which readies MLX's BLAS first
