@@ -827,18 +827,20 @@ lengths)  # carry [".device/x", ".device/elf"] after build, stage and the MLX in
   # three starts a backend (startup), no warm-up, so each length's first run is its first request.
   # LENGTH_BACKENDS=mesh-mlx waits for no llama.cpp build (MESH_LLM_LOG_LEVEL=debug: every step logged)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/x/*.whl .device/elf/*.whl
-  case ${LENGTH_BACKENDS:-llama} in
+  backends=${LENGTH_BACKENDS:-mesh-mlx,llama-server,mesh-llama}
+  case $backends in
     *llama*) llama_env ;;
     *) mlx_env; unset LLAMA_CPP_LIB_PATH ;;
   esac
+  server=(); case $backends in *llama-server*) server=(--llama-server /tmp/llama-cuda/bin/llama-server) ;; esac
   mkdir -p "$conc"
   for shape in ${LENGTH_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     wait_model "$shape"
     out=$conc/$shape-lengths
     echo "== $shape, one stream by prompt length"
     timeout -s INT -k 30 "${LENGTHS_BUDGET:-240}" python3 -m mesh_llm bench --model-pair "$(pair "$shape")" \
-      --backends "${LENGTH_BACKENDS:-mesh-mlx,llama-server,mesh-llama}" --cases lengths --runs "${RUNS:-3}" \
-      --warmup 0 --ctx-size 4096 --llama-server /tmp/llama-cuda/bin/llama-server --out "$out" > "$out.log" 2>&1 || true
+      --backends "$backends" --cases lengths --runs "${RUNS:-3}" \
+      --warmup 0 --ctx-size 4096 "${server[@]}" --out "$out" > "$out.log" 2>&1 || true
     grep -E 'error|interrupted|Traceback' "$out.log" | tail -5 || true
     cp "$out/results.jsonl" "$OUT/$shape-lengths-results.jsonl" 2>/dev/null || true
     cp "$out/report.md" "$OUT/$shape-lengths-report.md" 2>/dev/null || true
