@@ -817,7 +817,7 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
       timeout 150 "${pre[@]}" python3 benchmarks/scheduler_rounds.py "${args[@]}" --streams 1 --rounds "${ROUNDS:-3}" \
         --prompt "${PROMPT:-128,512,2048}" --tokens 64 --probe ${PROFILE:+--profile} --ctx-size 4096 --max-batch 32 2>&1 | grep -v Warning \
         > "$OUT/first-$shape-$variant.txt" || true
-      grep "^|\|^loaded\|Error" "$OUT/first-$shape-$variant.txt" | cut -c1-400
+      grep "^|\|^loaded\|Error" "$OUT/first-$shape-$variant.txt" | cut -c1-400 || tail -5 "$OUT/first-$shape-$variant.txt"
     done
   done
   ;;
