@@ -799,18 +799,20 @@ mlx-beside-llama)  # carry [".device/x", ".device/elf"] after build, stage and t
 first-request)  # carry [] after the MLX install (and the build, for VARIANTS with llama): issue 11's
   # fresh server's first request without HTTP: the bench's probe, then rounds of one PROMPT-token request
   # through the scheduler (benchmarks/scheduler_rounds.py --probe), every engine step timed, the
-  # slowest profiled (PROFILE=1), kernels compiled counted; MLX also with mx.clear_cache doing nothing (mlx-keep)
-  # and with room for 4,000 CUDA graphs (mlx-graphs; MLX keeps 400)
+  # slowest profiled (PROFILE=1), kernels compiled counted; MLX also with mx.clear_cache doing nothing
+  # (mlx-keep), loaded and warmed up on the main thread (mlx-here) and with room for 4,000 CUDA graphs
+  # (mlx-graphs; MLX keeps 400)
   for shape in ${SHAPES:-qwen2.5-0.5b}; do
     wait_model "$shape"
     for variant in ${VARIANTS:-mlx mlx-keep llama}; do
       pre=(env)
       case $variant in
-        mlx) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx "$models/$shape-mlx") ;;
-        mlx-keep) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx --keep-buffers "$models/$shape-mlx") ;;
-        mlx-here) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx --load-here "$models/$shape-mlx") ;;
-        mlx-graphs) mlx_env; unset LLAMA_CPP_LIB_PATH; pre=(env MLX_CUDA_GRAPH_CACHE_SIZE=4000)
-          args=(--engine mlx "$models/$shape-mlx") ;;
+        mlx*) mlx_env; unset LLAMA_CPP_LIB_PATH; args=(--engine mlx "$models/$shape-mlx")
+          case $variant in
+            mlx-keep) args+=(--keep-buffers) ;;
+            mlx-here) args+=(--load-here) ;;
+            mlx-graphs) pre=(env MLX_CUDA_GRAPH_CACHE_SIZE=4000) ;;
+          esac ;;
         llama) llama_env; args=(--engine llama "$models/$shape.gguf") ;;
       esac
       echo "== $shape, $variant"
