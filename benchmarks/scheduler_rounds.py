@@ -30,6 +30,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -211,3 +212,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # as `mesh-llm serve` does: MLX can abort in exit-time destructors (an engine loaded
+    # on the worker's thread left a stream thread that outlived them: "terminate called", exit 134)
