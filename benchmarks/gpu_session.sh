@@ -800,8 +800,9 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
   # fresh server's first request without HTTP: the bench's probe, then rounds of one PROMPT-token request
   # through the scheduler (benchmarks/scheduler_rounds.py --probe), every engine step timed, the
   # slowest profiled (PROFILE=1), kernels compiled counted; MLX also with mx.clear_cache doing nothing
-  # (mlx-keep), loaded and warmed up on the main thread (mlx-here) and with room for 4,000 CUDA graphs
-  # (mlx-graphs; MLX keeps 400)
+  # (mlx-keep), loaded and warmed up on the main thread (mlx-here), with room for 4,000 CUDA graphs
+  # (mlx-graphs; MLX keeps 400) and idle 2 s before each request (mlx-idle: a GPU's clocks let down)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,pstate --format=csv,noheader || true
   for shape in ${SHAPES:-qwen2.5-0.5b}; do
     wait_model "$shape"
     for variant in ${VARIANTS:-mlx mlx-keep llama}; do
@@ -812,6 +813,7 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
             mlx-keep) args+=(--keep-buffers) ;;
             mlx-here) args+=(--load-here) ;;
             mlx-graphs) pre=(env MLX_CUDA_GRAPH_CACHE_SIZE=4000) ;;
+            mlx-idle) args+=(--idle 2) ;;
           esac ;;
         llama) llama_env; args=(--engine llama "$models/$shape.gguf") ;;
       esac

@@ -3,6 +3,7 @@ HTTP: time to first token and summed rate per round, every engine step timed, th
 
     python3 benchmarks/scheduler_rounds.py MODEL [--engine mlx] [--streams 8] [--rounds 3]
         [--prompt 640[,2048...]] [--tokens 256] [--probe] [--profile] [--keep-buffers] [--load-here]
+        [--idle SECONDS]
 
 It separates what the engine and the scheduler cost from what HTTP adds (compare with
 ``mesh-llm bench --concurrency`` on the same model), and finds stalls: a step that takes many times
@@ -18,7 +19,9 @@ server's first 128-token request took 2.3-4.7x later ones). Where MLX keeps its 
 included), to see whether a first request pays for buffers allocated afresh. The engine loads (and
 warms up) on the worker's thread, as behind the server: MLX's CUDA backend keeps its graph caches and
 cuBLAS handles per thread, and ``--load-here`` (the main thread) shows what a warm-up on another
-thread leaves cold. Prints a table; JSON to --out.
+thread leaves cold. ``--idle`` waits before the probe and before each round, as a server idles
+between a benchmark's start and its requests: a GPU left idle lowers its clocks, and a first request
+that pays for that would show in every round. Prints a table; JSON to --out.
 """
 
 from __future__ import annotations
@@ -146,6 +149,7 @@ def main() -> None:
     parser.add_argument("--keep-buffers", action="store_true", help="mx.clear_cache does nothing")
     parser.add_argument("--load-here", action="store_true", help="load (and warm up) on the main thread, "
                         "not the worker's")
+    parser.add_argument("--idle", type=float, default=0.0, help="seconds idle before the probe and each round")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=None)
     parser.add_argument("--warm-up", dest="warm_up", action="store_true")
     parser.add_argument("--deterministic", action="store_true", help="the llama engine's bfloat16 KV cells")
@@ -184,11 +188,13 @@ def main() -> None:
           "all-rows step ms | first steps ms | kernels added | slow steps (at ms: ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     if args.probe:
+        time.sleep(args.idle)
         probe = run_round(worker, engine, prompts_for(99, 1, 19, vocab), 1)
         print(f"| probe | 19 | - | {probe['ttft_p50_ms']:.0f} | | | {probe['steps']} | | | "
               f"{probe['first_steps_ms']} | {probe['kernels_added']} | |", flush=True)
     for n, length in [(n, int(p)) for n in levels for p in args.prompt.split(",")]:
         for r in range(args.rounds):
+            time.sleep(args.idle)
             row = run_round(worker, engine, prompts_for(len(rows), n, length, vocab), args.tokens)
             row["round"], row["prompt"] = r, length
             rows.append(row)
