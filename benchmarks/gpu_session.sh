@@ -78,6 +78,10 @@
 #       that pyproject installs (without it uvicorn falls back to h11); prepare.sh fetches neither:
 #       pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 #       -d .device/x llguidance httptools; MLX is already installed on the machine by then)
+#      (2026-12-06: with prepare.sh's server wheels in .device/b/extra, .device/b and the tree passed
+#       64 MiB: move .device/b/extra/*.whl into .device/x, and in .device/b/install-mlx.sh install
+#       `$(ls .device/b/extra/*.whl 2>/dev/null)` instead of the bare glob; the calls that start a
+#       server carry .device/x, which mlx_env and lengths install)
 # (any step: MESH_LLM_STALL_DUMP=0.5 prints every thread's stack for an engine step over 0.5 s)
 # (.device/v: ggml-vocab-qwen2.gguf and the gguf, diskcache and pyelftools wheels from .device/llama, .device/elf)
 # Each concurrency run is stopped with SIGINT at its budget (CONC_BUDGET_SCALE=2 doubles them), which
@@ -818,10 +822,12 @@ first-request)  # carry [] after the MLX install (and the build, for VARIANTS wi
         llama) llama_env; args=(--engine llama "$models/$shape.gguf") ;;
       esac
       echo "== $shape, $variant"
+      out=$OUT/first-$shape-$variant.txt n=2  # a variant named twice keeps both runs
+      while [ -e "$out" ]; do out=$OUT/first-$shape-$variant-$n.txt n=$((n + 1)); done
       timeout 150 "${pre[@]}" python3 benchmarks/scheduler_rounds.py "${args[@]}" --streams 1 --rounds "${ROUNDS:-3}" \
         --prompt "${PROMPT:-128,512,2048}" --tokens 64 --probe ${PROFILE:+--profile} --ctx-size 4096 --max-batch 32 2>&1 | grep -v Warning \
-        > "$OUT/first-$shape-$variant.txt" || true
-      grep "^|\|^loaded\|Error" "$OUT/first-$shape-$variant.txt" | cut -c1-400 || tail -5 "$OUT/first-$shape-$variant.txt"
+        > "$out" || true
+      grep "^|\|^loaded\|Error" "$out" | cut -c1-400 || tail -5 "$out"
     done
   done
   ;;
