@@ -34,7 +34,11 @@ from tiny_gguf import write_tiny_gguf
 
 TINY_TOLERANCE = 5e-3  # F16 weights: a one-row pass skips llamafile sgemm; measured at most 1.0e-3
 GPU_TOLERANCE = 0.5  # on a GPU nothing is claimed bitwise (not yet measured there)
-F16_TOLERANCE = 0.5  # float16 KV cells on a CPU: measured at most 0.27 (the 190-token prompt)
+# float16 KV cells on a CPU: the rounding depends on the CPU's kernels. Measured largest logprob
+# differences, batched against alone: 0.27 (the 190-token prompt) on an AVX-512 + AMX Xeon; 0.53 there
+# and 0.60 in the random-arrivals test on an AVX2-only AMD EPYC, all on alternatives at logprob -3 to
+# -7 (the chosen tokens within 0.08, no greedy stream parted)
+F16_TOLERANCE = 1.0
 GREEDY = SamplingParams(temperature=0)
 BUDGET = 48  # prompt tokens per step: prefill spreads over steps, so newcomers join mid-prefill
 OPTIONS = EngineOptions(ctx_size=1024, threads=1, max_batch=8, cache_bytes=0, deterministic=True)
