@@ -3,7 +3,7 @@
 - ``mesh-llm``: what ``ensure_fast_blas()`` interposes (scipy-openblas32, unprefixed), its kernels
   chosen for this CPU;
 - ``mesh-llm-haswell``: the same with ``OPENBLAS_CORETYPE=Haswell``: the AVX2 kernels an AVX2-only
-  CPU (the CI machines' Zen 3 EPYC) gets;
+  CPU (a Zen 3 EPYC, for one) gets;
 - ``cmeel``: cmeel-openblas 0.3.31 interposed as mesh-llm did before (a SKYLAKEX build that dies with
   SIGILL without AVX-512: run only where the CPU has it, and only if ``pip install cmeel-openblas``);
 - ``reference``: the reference BLAS the ``mlx[cpu]`` wheel bundles.
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,20 +110,11 @@ def main() -> None:
     skipped = {n: why for n in names if (why := runnable(n))}
     names = [n for n in names if n not in skipped]
     home = tempfile.mkdtemp(prefix="blas-bench-")  # mesh-llm's unprefixed copy is made anew
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     load_before = os.getloadavg()[0]
-    for round_ in range(args.rounds):
-        for name in names:
-            how, extra = BACKENDS[name]
-            env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.threads), "MESH_LLM_HOME": home, **extra}
-            argv = [sys.executable, __file__, "--child", how, "--size", str(args.size),
-                    "--reps", str(args.reps)]
-            done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                sys.exit(f"{name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-            runs[name].append(json.loads(done.stdout.splitlines()[-1]))
-            gflops = runs[name][-1]["gflops"]
-            print(f"round {round_ + 1}/{args.rounds} {name}: {gflops:.1f} GFLOP/s", file=sys.stderr)
+    try:
+        runs = measure(args, names, home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
     first = statistics.median(r["gflops"] for r in runs[names[0]])
     print(f"\nfloat32 {args.size}^3 matmul through MLX, {args.threads} threads, {platform.machine()}, "
@@ -143,6 +135,23 @@ def main() -> None:
                                         "reps": args.reps, "load_average": [load_before, os.getloadavg()[0]],
                                         "results": summary, "skipped": skipped}, indent=2))
 
+
+def measure(args, names: list[str], home: str) -> dict[str, list[dict]]:
+    """Each backend's process once a round, rounds interleaved."""
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for round_ in range(args.rounds):
+        for name in names:
+            how, extra = BACKENDS[name]
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.threads), "MESH_LLM_HOME": home, **extra}
+            argv = [sys.executable, __file__, "--child", how, "--size", str(args.size),
+                    "--reps", str(args.reps)]
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            if done.returncode:
+                sys.exit(f"{name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+            runs[name].append(json.loads(done.stdout.splitlines()[-1]))
+            gflops = runs[name][-1]["gflops"]
+            print(f"round {round_ + 1}/{args.rounds} {name}: {gflops:.1f} GFLOP/s", file=sys.stderr)
+    return runs
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ three libraries see exactly the same tokens:
 
     .venv/bin/python benchmarks/constrain.py                       # SmolLM2 (49k) and qwen2 (152k)
     .venv/bin/python benchmarks/constrain.py --vocab ~/m/x.gguf    # any GGUF's vocabulary
-    .venv/bin/python benchmarks/constrain.py --out benchmarks/results/constrain/cpu.json
+    .venv/bin/python benchmarks/constrain.py --out benchmarks/results/cpu/constrain-DATE.json
     .venv/bin/python benchmarks/constrain.py --libraries llguidance --batch 8 32   # + a batch's step (MLX)
 
 xgrammar declares torch (and triton) as hard dependencies and imports torch at import time, though
@@ -25,6 +25,7 @@ import ctypes
 import importlib.machinery
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -274,7 +275,8 @@ def _llguidance_source(vocab: Vocab):
 
 
 def main() -> None:
-    vocabs_dir = Path.home() / ".cache/mesh-llm/vocabs/0.3.36"
+    # the vocab-only GGUFs `make test` unpacks from the llama-cpp-python sdist
+    vocabs_dir = Path(os.environ.get("MESH_LLM_GGUF_VOCABS", Path.home() / ".cache/mesh-llm/vocabs/0.3.36"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab", action="append", type=Path, help="a GGUF (default: SmolLM2's and qwen2's)")
     parser.add_argument("--libraries", default="llguidance,outlines-core,xgrammar")

@@ -1,9 +1,10 @@
-"""Raw engine speed, no server: load time, TTFT at several prompt lengths, and decode tok/s, for the
-MLX and llama.cpp engines on the same model (by default the embedded SmolLM2, its imported MLX folder
-against its GGUF); with ``--batch``, N sequences decoded together through add / step / remove.
-Not a test: run it on a quiet machine.
+"""Engine step rates, no server: load time, TTFT at several prompt lengths and one stream's decode
+tok/s, for the MLX and llama.cpp engines on the same model (by default the embedded SmolLM2, its
+imported MLX folder against its GGUF); with ``--batch``, N sequences decoded together through the
+public engine interface (``add`` / ``step`` / ``remove``). Not a test: run it on a quiet machine.
 
-    .venv/bin/python benchmarks/engines.py [--runs 3] [--decode-tokens 128] [--out results.json]
+    .venv/bin/python benchmarks/engines.py [--runs 3] [--decode-tokens 128] [--prompt-lengths 128,512,2048]
+        [--out results.json]
     .venv/bin/python benchmarks/engines.py --engine mlx --batch 1,4,8,16,32 [--prompt-tokens 128] \\
         [--decode-tokens 64] [--constrained K] [--mlx FOLDER | --gguf FILE] [--out results.json]
 
@@ -32,7 +33,7 @@ import numpy as np
 from mesh_llm.engines import engine_class
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 
-PROMPT_LENGTHS = (128, 512, 2048)
+PROMPT_LENGTHS = "128,512,2048"
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -64,24 +65,24 @@ def time_decode(engine, prompt: list[int], tokens: int) -> float:
     return tokens / elapsed
 
 
-def measure(name: str, path: Path, runs: int, decode_tokens: int, threads: int | None,
-            deterministic: bool) -> dict:
+def measure(name: str, path: Path, args) -> dict:
+    runs, decode_tokens, lengths = args.runs, args.decode_tokens, args.prompt_lengths
     cls = engine_class(name)
     start = time.perf_counter()
-    engine = cls.load(path, EngineOptions(ctx_size=4096, threads=threads, warm_up=False,
-                                          deterministic=deterministic))
+    engine = cls.load(path, EngineOptions(ctx_size=args.ctx_size, threads=args.threads, warm_up=False,
+                                          deterministic=args.deterministic))
     load_s = time.perf_counter() - start
     info = engine.info()
-    time_first_token(engine, prompt_of(engine, 32, -1))  # warm-up: first-use costs stay out
+    time_first_token(engine, prompt_of(engine, min(32, *lengths), -1))  # warm-up: first-use costs stay out
     salt = 0
     ttft = {}
-    for length in PROMPT_LENGTHS:
+    for length in lengths:
         samples = []
         for _ in range(runs):
             salt += 1
             samples.append(time_first_token(engine, prompt_of(engine, length, salt)))
         ttft[length] = statistics.median(samples)
-    decode = statistics.median(time_decode(engine, prompt_of(engine, 128, 1000 + i), decode_tokens)
+    decode = statistics.median(time_decode(engine, prompt_of(engine, min(128, *lengths), 1000 + i), decode_tokens)
                                for i in range(runs))
     engine.close()
     return {"engine": name, "path": str(path), "load_s": load_s, "ttft_s": ttft, "decode_tok_s": decode,
@@ -158,13 +159,14 @@ def measure_batches(name: str, path: Path, batches: list[int], args) -> dict:
 
 
 def print_ttft_table(results: list[dict]) -> None:
-    header = "| engine | backend | load s | " + " | ".join(f"TTFT {n} ms" for n in PROMPT_LENGTHS) + \
+    lengths = list(results[0]["ttft_s"])
+    header = "| engine | backend | load s | " + " | ".join(f"TTFT {n} ms" for n in lengths) + \
         " | decode tok/s |"
     print(header)
     print("|" + " --- |" * (header.count("|") - 1))
     for r in results:
         cells = [r["engine"], r["backend"], f"{r['load_s']:.2f}",
-                 *(f"{1000 * r['ttft_s'][n]:,.0f}" for n in PROMPT_LENGTHS), f"{r['decode_tok_s']:.1f}"]
+                 *(f"{1000 * r['ttft_s'][n]:,.0f}" for n in lengths), f"{r['decode_tok_s']:.1f}"]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -196,6 +198,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=None,
                         help="tokens decoded (default: 128; 64 in batch mode)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prompt-lengths", default=PROMPT_LENGTHS,
+                        help="TTFT mode: comma-separated prompt lengths in tokens")
+    parser.add_argument("--ctx-size", type=int, default=4096, help="TTFT mode: the engine's context")
     parser.add_argument("--deterministic", action="store_true", help="the llama engine's bfloat16 KV cells")
     parser.add_argument("--batch", type=str, help="batch mode: comma-separated N, e.g. 1,4,8,16,32")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="batch mode: each prompt's length")
@@ -214,8 +219,8 @@ def main() -> None:
         print_batch_table(results)
     else:
         args.decode_tokens = args.decode_tokens or 128
-        results = [measure(name, paths[name](), args.runs, args.decode_tokens, args.threads, args.deterministic)
-                   for name in names]
+        args.prompt_lengths = [int(n) for n in args.prompt_lengths.split(",")]
+        results = [measure(name, paths[name](), args) for name in names]
         print_ttft_table(results)
     if args.out:
         args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),

@@ -1,5 +1,5 @@
-"""What the mesh costs and what its routing gains (issue 13), over HTTP against `mesh-llm serve` nodes
-spawned on loopback:
+"""What the mesh costs and what its routing gains, over HTTP against `mesh-llm serve` nodes spawned on
+loopback (the embedded model on the llama engine):
 
 - proxy overhead: the same streamed chat sent straight to the serving node and through one hop (a
   client node that forwards it), interleaved pair by pair, many times. TTFT with the prompt cached
@@ -14,7 +14,10 @@ spawned on loopback:
 TTFT is the time to the first streamed content. Not a test.
 
     .venv/bin/python benchmarks/mesh.py [--pairs 60] [--decode-pairs 15] [--decode-tokens 128]
-                                        [--conversations 8] [--out DIR]
+                                        [--conversations 8] [--threads N] [--out FILE.json]
+
+With ``--threads 1`` the serving node leaves a core to the entry node, so what the hop itself costs
+shows apart from the CPU it takes from the engine on a small machine.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def main() -> None:
     parser.add_argument("--system-chars", type=int, default=2400, help="system prompt size (~4 chars a token)")
     parser.add_argument("--forget-runs", type=int, default=3, help="kill -9 and SIGTERM runs each")
     parser.add_argument("--threads", type=int, default=physical_cores())
-    parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results/mesh-<date>/)")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
     started, load_before = datetime.now(timezone.utc), os.getloadavg()
     logs = Path(tempfile.mkdtemp(prefix="mesh-bench-"))
@@ -79,20 +82,20 @@ def main() -> None:
                "environment": describe(None), "proxy_overhead": overhead, "routing": routing,
                "forgetting": forgetting}
     results["summary"] = report(results)
-    out = args.out or Path(__file__).parent / "results" / f"mesh-{started:%Y%m%d}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {out / 'results.json'} (node logs in {logs})")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    print(f"node logs in {logs}")
 
 
 def node(stack: ExitStack, settings: Settings, logs: Path, token: str, name: str, flags: list[str],
-         model_id: str | None = None, pythonpath: Path | None = None) -> Server:
-    """A node on this checkout's code, or on the ``src/`` folder ``pythonpath`` (``hop_ab.py``)."""
+         model_id: str | None = None) -> Server:
+    """A `mesh-llm serve` node, stopped when ``stack`` closes."""
     def argv(_model: Path, port: int, s: Settings) -> list[str]:
         model = [] if "--client" in flags else ["--engine", "llama", "--threads", str(s.threads),
                                                 "--ctx-size", str(s.ctx_size)]
-        python = [sys.executable] if pythonpath is None else ["env", f"PYTHONPATH={pythonpath}", sys.executable]
-        return [*python, "-m", "mesh_llm", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
+        return [sys.executable, "-m", "mesh_llm", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
                 "--mesh-token", token, "--node-name", name, *flags]
 
     alias = model_id or flags[flags.index("--alias") + 1]

@@ -1,6 +1,6 @@
-"""Prompt-cache reuse as clients see it (issue #5), over HTTP against spawned `mesh-llm serve`
-processes of one engine: first with its prompt cache, then with `--cache-bytes 0` for the cold
-figures (never both at once). Three scenarios, each against the issue's target:
+"""Prompt-cache reuse as clients see it, over HTTP against spawned `mesh-llm serve` processes of one
+engine: first with its prompt cache, then with `--cache-bytes 0` for the cold figures (never both at
+once). Three scenarios, each against its target:
 
 - cache-extend: the next turn of a chat over a ~1,000-token briefing; its TTFT against the cold
   TTFT of the very same prompt (target <= 25%);
@@ -12,6 +12,8 @@ figures (never both at once). Three scenarios, each against the issue's target:
 TTFT is the time to the first streamed content (or to the end, for a reply with none). Not a test.
 
     .venv/bin/python benchmarks/prompt_cache.py [--engine mlx|llama] [--model PATH] [--out FILE.json]
+
+Writes the results as JSON with ``--out`` (``benchmarks/history.py add`` reads it).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a model folder or .gguf file (default: the embedded one)")
     parser.add_argument("--runs", type=int, default=3, help="cache-extend repetitions (median)")
     parser.add_argument("--threads", type=int, default=physical_cores())
-    parser.add_argument("--out", type=Path, help="JSON results (default: benchmarks/results/prompt-cache/)")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
     tokenizer = _tokenizer(args.model)
     settings = Settings(threads=args.threads, ctx_size=8192, startup_timeout=1800)
@@ -71,11 +73,11 @@ def main() -> None:
                "load_average_after": os.getloadavg(), "server": details, "targets": TARGETS,
                "environment": describe(None), "extend": extend, "document": document, "chat": chat}
     results["verdict"] = _report(results)
-    out = args.out or Path(__file__).parent / "results" / "prompt-cache" / (
-        f"{args.engine}-{results['server'].get('device', 'cpu')}-{started:%Y%m%d-%H%M}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {out} (server logs in {logs})")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    print(f"server logs in {logs}")
 
 
 def _tokenizer(model: Path | None):

@@ -1,8 +1,9 @@
 """Rebuild summary.json, report.md and the charts of `mesh-llm bench` (or `mesh-llm bench --concurrency`)
-from results.jsonl files, e.g. when one benchmark was run in several device calls
-(benchmarks/gpu_session.sh), and print its tables.
+from results.jsonl files, e.g. to merge several runs (one per model shape, each with its own levels)
+into one report, and print its tables.
 
-    python benchmarks/report_from_results.py OUT_DIR --settings-from SUMMARY.json [--settings-from ...] RESULTS.jsonl...
+    .venv/bin/python benchmarks/report_from_results.py OUT_DIR --settings-from SUMMARY.json \\
+        [--settings-from ...] RESULTS.jsonl... [--note TEXT]
 
 The settings and machine are those of the first --settings-from; the backends and model pairs of all of
 them are listed.

@@ -2,25 +2,26 @@
 answering, to `/health` ok, and to the first streamed token and the end of a first short request
 (and to the notice of a restart for MLX, where there is one: ``mesh_llm/native.py``).
 
-    python3 benchmarks/startup.py [--runs 3] [--label NAME] -- SERVE ARGS (e.g. --engine mlx --model DIR)
+    .venv/bin/python benchmarks/startup.py [--runs 3] [--label NAME] [--out FILE.jsonl] -- SERVE ARGS
+        (e.g. -- --engine mlx --model DIR --max-batch 8)
 
 Each run is a fresh process (SIGINT at the end), so on a GPU the second and later runs find MLX's
 compiled kernels on disk, as a restart does. `mesh-llm bench` reports the port answering and the
 first completion too, but only for the settings of its concurrency levels; this isolates the start.
-Prints a table; appends one JSON line a run to $OUT/startup.jsonl when OUT is set.
+Prints a table; ``--out`` appends one JSON line a run (``benchmarks/history.py add`` reads it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--label", default="")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--out", type=Path, help="append one JSON line a run to this file")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
@@ -102,8 +104,9 @@ def main() -> None:
         m = one_start(serve_args, args.timeout)
         print(f"| run {run} | {m.get('restart_notice_s', '-')} | {m['listening_s']} | {m['ok_s']} | {m['first_token_s']} | {m['first_done_s']} "
               f"| {m['first_ttft_ms']} | {m['warm_up_phases']} |", flush=True)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "startup.jsonl"), "a") as f:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with args.out.open("a") as f:
                 f.write(json.dumps({"label": label, "run": run, "serve_args": serve_args, **m}) + "\n")
 
 
