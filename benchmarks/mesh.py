@@ -181,7 +181,7 @@ def cpu_seconds(server: Server) -> float:
 
 
 def affinity_vs_random(entry: Server, replicas: list[str], args) -> dict:
-    """Conversations alternate between the two modes, each with its own session tag, so no
+    """Conversations alternate between the two modes, each with its own tag, so no
     conversation can reuse another's cache."""
     rng = random.Random(13)
     notes = context_text("briefing", args.system_chars)
@@ -189,7 +189,7 @@ def affinity_vs_random(entry: Server, replicas: list[str], args) -> dict:
     for k in range(args.conversations):
         for mode in ("affinity", "random") if k % 2 == 0 else ("random", "affinity"):
             print(f"routing: conversation {k + 1}/{args.conversations}, {mode} …", file=sys.stderr)
-            system = f"Session {mode}-{k}-{secrets.token_hex(4)}. Answer from these notes.\n{notes}"
+            system = f"Conversation {mode}-{k}-{secrets.token_hex(4)}. Answer from these notes.\n{notes}"
             messages = [{"role": "system", "content": system}]
             turns = []
             for user, canned in zip(USER_TURNS, REPLIES):

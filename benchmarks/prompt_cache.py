@@ -134,8 +134,8 @@ def _ask(server: Server, messages: list[dict], max_tokens: int) -> dict:
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def _system(tokenizer, session: str, tokens: int) -> str:
-    """A briefing of about ``tokens`` tokens, opened by the session so no two runs share a prefix."""
+def _system(tokenizer, tag: str, tokens: int) -> str:
+    """A briefing of about ``tokens`` tokens, opened by a tag so no two runs share a prefix."""
     text = context_text("briefing", 8 * tokens + 4096)
     lo, hi = 0, len(text)
     while lo < hi:  # the shortest cut whose system message reaches the size
@@ -144,11 +144,11 @@ def _system(tokenizer, session: str, tokens: int) -> str:
             lo = mid + 1
         else:
             hi = mid
-    return f"Session {session}. Answer from these notes.\n{text[:lo]}"
+    return f"Conversation {tag}. Answer from these notes.\n{text[:lo]}"
 
 
-def _extend(server: Server, tokenizer, session: str) -> dict:
-    messages = [{"role": "system", "content": _system(tokenizer, session, 1000)},
+def _extend(server: Server, tokenizer, tag: str) -> dict:
+    messages = [{"role": "system", "content": _system(tokenizer, tag, 1000)},
                 {"role": "user", "content": "Summarize item 3 in one sentence."}]
     base = _ask(server, messages, 32)
     messages += [{"role": "assistant", "content": base.pop("text")},
@@ -169,7 +169,7 @@ def _document(server: Server, tokenizer) -> list[dict]:
 
 
 def _chat(server: Server) -> list[dict]:
-    messages = [{"role": "system", "content": "Session chat. You are a friendly assistant who answers "
+    messages = [{"role": "system", "content": "Conversation chat. You are a friendly assistant who answers "
                                               "in two or three sentences."}]
     turns = []
     for topic in TOPICS:

@@ -26,7 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Give me three tips for learning 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    """The embedded SmolLM2 (carried to the GPU machine by benchmarks/gpu_session.sh), imported from its
+    """The embedded SmolLM2 (on a GPU host: `EMBEDDED=1 benchmarks/gpu_wheels.sh`), imported from its
     GGUF as float16 (dequantized from Q4_1), so that quantizing on load has float weights to start from:
     a real model, where quantization error shows as lost quality."""
     try:
@@ -87,7 +87,7 @@ def test_quantize_on_load_keeps_a_real_models_predictions(embedded, bits, nll_ri
 
 def _batch_models(checkpoints):
     """The tiny checkpoints (float32 and float16 on disk), and a real model when one is given:
-    MESH_LLM_GPU_MODEL=/path/to/mlx-folder (benchmarks/gpu_session.sh writes random-weight Qwen2.5
+    MESH_LLM_GPU_MODEL=/path/to/mlx-folder (benchmarks/gpu.sh writes random-weight Qwen2.5
     shapes), else the embedded SmolLM2's imported folder if it is installed."""
     models = [("llama", checkpoints["llama"].path, 5e-3), ("qwen3", checkpoints["qwen3"].path, 5e-2)]
     folder = os.environ.get("MESH_LLM_GPU_MODEL")
@@ -333,7 +333,7 @@ def test_a_4bit_model_decodes_as_through_its_dequantized_weights(checkpoints, mo
     weights), gives logits within 2% of their size, and the same greedy token wherever the top two
     are farther apart than the two runs. The reference is not MLX's own quantized product: MLX
     0.32.4's CUDA one gives zeros for 2 rows or more of 64 inputs, the tests' tiny llama's width
-    (benchmarks/gpu_quantized_matmul.py, on an H100)."""
+    (measured on an H100: docs/performance.md)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
