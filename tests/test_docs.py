@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import click
 import pytest
 import typer.main
 
@@ -105,16 +104,17 @@ def test_the_slug_follows_github():
 
 def cli_options() -> dict[str, list[str]]:
     """Every option string of `mesh-llm serve`, `bench` and each `models` and `mesh` subcommand,
-    from the typer app itself (click's parameters), by command path."""
+    from the typer app itself (its click commands' parameters), by command path. Typer may carry
+    its own copy of click, so groups and options are known by their attributes, not by class."""
     root = typer.main.get_command(app)
     found: dict[str, list[str]] = {}
 
-    def walk(command: click.Command, path: str) -> None:
-        if isinstance(command, click.Group):
+    def walk(command, path: str) -> None:
+        if hasattr(command, "commands"):  # a group
             for name, sub in command.commands.items():
                 walk(sub, f"{path} {name}".strip())
             return
-        found[path] = [opt for param in command.params if isinstance(param, click.Option)
+        found[path] = [opt for param in command.params if param.param_type_name == "option"
                        for opt in (*param.opts, *param.secondary_opts)]
 
     walk(root, "")
