@@ -39,10 +39,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def prompt_of(engine, length: int, salt: int) -> list[int]:
     """Real text tokens, cut to ``length``, starting with a salt so no prefix is shared between runs."""
-    text = (f"Run {salt}. " + Path(__file__).read_text() * 20)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    assert len(ids) >= length, "the text is too short for this prompt length"
-    return ids[:length]
+    source, chars = Path(__file__).read_text(), 8 * length + 64
+    while True:  # tokenize only as much text as the length needs
+        text = f"Run {salt}. " + (source * (chars // len(source) + 1))[:chars]
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= length:
+            return ids[:length]
+        chars *= 2
 
 
 def time_first_token(engine, prompt: list[int]) -> float:

@@ -59,7 +59,7 @@ def from_bench(s: dict) -> list[dict]:
                  dict(benchmark=bench, model=r["pair"], backend=r["backend"], metric="ttft_p95_ms",
                       value=r["ttft_ms"]["p95"])]
     for r in s.get("cases", []):  # single-stream cases
-        for metric, key in (("ttft_ms", "ttft_ms"), ("total_ms", "total_ms"), ("decode_tok_s", "decode_tps")):
+        for metric, key in (("ttft_ms", "ttft_ms"), ("decode_tok_s", "decode_tps")):
             if (r.get(key) or {}).get("median") is not None:
                 rows.append(dict(benchmark=f"bench {r['case']}", model=r["pair"], backend=r["backend"],
                                  metric=metric, value=r[key]["median"]))
@@ -174,7 +174,7 @@ def add(args) -> None:
         for row in rows:
             value = row["value"]
             row.update(date=args.date or when or Date.today().isoformat(), machine=args.machine,
-                       value=f"{value:.4g}" if isinstance(value, float) else str(value))
+                       value=f"{round(value, 4):.6g}" if isinstance(value, float) else str(value))
             if args.command:
                 row["command"] = args.command
             new.append({k: row.get(k, "") for k in FIELDS})

@@ -84,6 +84,45 @@ def test_engines_on_a_tiny_model_then_into_the_history_table(tmp_path):
     assert shown.returncode == 0 and shown.stdout.count("decode_tok_s") == 2
 
 
+def test_startup_of_a_tiny_model_into_the_history_table(tmp_path):
+    """startup.py starts a real `mesh-llm serve`, times it to a first token and stops it."""
+    from tiny_gguf import write_tiny_gguf
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", chat_template=template)
+    out = tmp_path / "startup.jsonl"
+    done = run([sys.executable, BENCHMARKS / "startup.py", "--runs", "1", "--label", "tiny", "--out", out, "--",
+                "--engine", "llama", "--model", gguf, "--ctx-size", "256", "--threads", "1"], timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = json.loads(out.read_text())
+    assert line["label"] == "tiny" and 0 < line["listening_s"] <= line["ok_s"] <= line["first_done_s"]
+    table = tmp_path / "history.csv"
+    done = run([sys.executable, BENCHMARKS / "history.py", "--csv", table, "add", out, "--machine", "test"])
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(table.open()))
+    assert {(r["benchmark"], r["model"], r["backend"]) for r in rows} == {("startup", "tiny.gguf", "tiny")}
+    assert {r["metric"] for r in rows} == {"listening_s", "health_ok_s", "first_token_s"}
+
+
+def test_constrained_decoding_cost_on_the_embedded_vocabulary(tmp_path, default_gguf):
+    out = tmp_path / "constrain.json"
+    done = run([sys.executable, BENCHMARKS / "constrain.py", "--vocab", default_gguf, "--libraries", "llguidance",
+                "--repeats", "1", "--out", out])
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["library"] == "llguidance" and row["vocab_size"] == 49152 and row["mask_us_median"] > 0
+
+
+def test_blas_through_mlx_with_a_small_product(tmp_path):
+    pytest.importorskip("mlx.core")
+    out = tmp_path / "blas.json"
+    done = run([sys.executable, BENCHMARKS / "blas.py", "--size", "128", "--rounds", "1", "--reps", "1",
+                "--threads", "1", "--backends", "mesh-llm,reference", "--out", out])
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"mesh-llm", "reference"} and results["reference"]["median_gflops"] > 0
+
+
 def test_the_history_table_reads_as_documented():
     rows = list(csv.DictReader((BENCHMARKS / "results" / "history.csv").open()))
     assert rows and list(rows[0]) == ["date", "machine", "benchmark", "model", "backend", "metric", "value",
