@@ -41,8 +41,13 @@ def bench_command(settings: dict) -> str:
     names = sorted({b["name"] for b in settings.get("backends", [])})
     if names:
         parts.append("--backends " + ",".join(names))
-    for flag, key in (("--runs", "runs"), ("--warmup", "warmup"), ("--max-tokens", "max_tokens"),
-                      ("--ctx-size", "ctx_size"), ("--threads", "threads")):
+    for flag, key in (
+        ("--runs", "runs"),
+        ("--warmup", "warmup"),
+        ("--max-tokens", "max_tokens"),
+        ("--ctx-size", "ctx_size"),
+        ("--threads", "threads"),
+    ):
         if settings.get(key) is not None:
             parts.append(f"{flag} {settings[key]}")
     return " ".join(parts)
@@ -52,25 +57,56 @@ def from_bench(s: dict) -> list[dict]:
     cmd, rows = bench_command(s["settings"]), []
     for r in s.get("levels", []):  # --concurrency
         bench = f"concurrency {r['case']} x{r['level']}"
-        rows += [dict(benchmark=bench, model=r["pair"], backend=r["backend"], metric="summed_tok_s",
-                      value=r["throughput_tps"]["median"]),
-                 dict(benchmark=bench, model=r["pair"], backend=r["backend"], metric="ttft_p50_ms",
-                      value=r["ttft_ms"]["p50"]),
-                 dict(benchmark=bench, model=r["pair"], backend=r["backend"], metric="ttft_p95_ms",
-                      value=r["ttft_ms"]["p95"])]
+        rows += [
+            {
+                "benchmark": bench,
+                "model": r["pair"],
+                "backend": r["backend"],
+                "metric": "summed_tok_s",
+                "value": r["throughput_tps"]["median"],
+            },
+            {
+                "benchmark": bench,
+                "model": r["pair"],
+                "backend": r["backend"],
+                "metric": "ttft_p50_ms",
+                "value": r["ttft_ms"]["p50"],
+            },
+            {
+                "benchmark": bench,
+                "model": r["pair"],
+                "backend": r["backend"],
+                "metric": "ttft_p95_ms",
+                "value": r["ttft_ms"]["p95"],
+            },
+        ]
     for r in s.get("cases", []):  # single-stream cases
         for metric, key in (("ttft_ms", "ttft_ms"), ("decode_tok_s", "decode_tps")):
             if (r.get(key) or {}).get("median") is not None:
-                rows.append(dict(benchmark=f"bench {r['case']}", model=r["pair"], backend=r["backend"],
-                                 metric=metric, value=r[key]["median"]))
+                rows.append(
+                    {
+                        "benchmark": f"bench {r['case']}",
+                        "model": r["pair"],
+                        "backend": r["backend"],
+                        "metric": metric,
+                        "value": r[key]["median"],
+                    }
+                )
     for r in s.get("startup", []):  # a median over runs, or (--concurrency) one start a level
         for metric in ("startup_ms", "ready_ms"):
             value = r.get(metric)
             value = value.get("median") if isinstance(value, dict) else value
             if value is not None:
                 level = f" x{r['level']}" if r.get("level") else ""
-                rows.append(dict(benchmark="bench startup" + level, model=r["pair"], backend=r["backend"],
-                                 metric=metric, value=value))
+                rows.append(
+                    {
+                        "benchmark": "bench startup" + level,
+                        "model": r["pair"],
+                        "backend": r["backend"],
+                        "metric": metric,
+                        "value": value,
+                    }
+                )
     for row in rows:
         row["command"] = cmd
     return rows
@@ -89,9 +125,16 @@ def from_startup(lines: list[dict]) -> list[dict]:
         for metric in ("listening_s", "ok_s", "first_token_s"):
             values = [r[metric] for r in runs if r.get(metric) is not None]
             if values:
-                rows.append(dict(benchmark="startup", model=model, backend=label or f"mesh-llm {engine}",
-                                 metric="health_ok_s" if metric == "ok_s" else metric,
-                                 value=statistics.median(values), command=cmd))
+                rows.append(
+                    {
+                        "benchmark": "startup",
+                        "model": model,
+                        "backend": label or f"mesh-llm {engine}",
+                        "metric": "health_ok_s" if metric == "ok_s" else metric,
+                        "value": statistics.median(values),
+                        "command": cmd,
+                    }
+                )
     return rows
 
 
@@ -104,41 +147,111 @@ def from_json(d: dict) -> list[dict]:
                 for b in r["batches"]:
                     for metric in ("decode_tok_s", "step_ms", "ttft_last_s"):
                         if b.get(metric) is not None:
-                            rows.append(dict(benchmark=f"engine batch x{b['batch']}", model=model,
-                                             backend=backend, metric=metric, value=b[metric],
-                                             command=f"benchmarks/engines.py --batch ... --prompt-tokens "
-                                                     f"{r.get('prompt_tokens')} --decode-tokens {r.get('decode_tokens')}"))
+                            rows.append(
+                                {
+                                    "benchmark": f"engine batch x{b['batch']}",
+                                    "model": model,
+                                    "backend": backend,
+                                    "metric": metric,
+                                    "value": b[metric],
+                                    "command": f"benchmarks/engines.py --batch ... --prompt-tokens "
+                                    f"{r.get('prompt_tokens')} --decode-tokens {r.get('decode_tokens')}",
+                                }
+                            )
             else:
                 cmd = "benchmarks/engines.py"
-                rows.append(dict(benchmark="engine", model=model, backend=backend, metric="load_s",
-                                 value=r["load_s"], command=cmd))
-                rows.append(dict(benchmark="engine", model=model, backend=backend, metric="decode_tok_s",
-                                 value=r["decode_tok_s"], command=cmd))
+                rows.append(
+                    {
+                        "benchmark": "engine",
+                        "model": model,
+                        "backend": backend,
+                        "metric": "load_s",
+                        "value": r["load_s"],
+                        "command": cmd,
+                    }
+                )
+                rows.append(
+                    {
+                        "benchmark": "engine",
+                        "model": model,
+                        "backend": backend,
+                        "metric": "decode_tok_s",
+                        "value": r["decode_tok_s"],
+                        "command": cmd,
+                    }
+                )
                 for n, s in r["ttft_s"].items():
-                    rows.append(dict(benchmark="engine", model=model, backend=backend,
-                                     metric=f"ttft_ms_{n}", value=1000 * s, command=cmd))
+                    rows.append(
+                        {
+                            "benchmark": "engine",
+                            "model": model,
+                            "backend": backend,
+                            "metric": f"ttft_ms_{n}",
+                            "value": 1000 * s,
+                            "command": cmd,
+                        }
+                    )
     elif "verdict" in d and "extend" in d:  # prompt_cache.py
         cmd = f"benchmarks/prompt_cache.py --engine {d['engine']}"
-        rows += [dict(benchmark="prompt-cache", model=Path(d["model"]).name, backend=f"mesh-llm {d['engine']}",
-                      metric=k, value=v, command=cmd) for k, v in d["verdict"].items() if k != "pass"]
+        rows += [
+            {
+                "benchmark": "prompt-cache",
+                "model": Path(d["model"]).name,
+                "backend": f"mesh-llm {d['engine']}",
+                "metric": k,
+                "value": v,
+                "command": cmd,
+            }
+            for k, v in d["verdict"].items()
+            if k != "pass"
+        ]
     elif "proxy_overhead" in d:  # mesh.py
         s, threads = d["summary"], d["settings"].get("threads")
         cmd, backend = f"benchmarks/mesh.py --threads {threads}", f"mesh-llm llama, {threads} threads"
-        figures = {k: s[k] for k in ("ttft_paired_delta_ms", "decode_ratio", "fifth_turn_affinity_over_random")}
+        figures = {
+            k: s[k] for k in ("ttft_paired_delta_ms", "decode_ratio", "fifth_turn_affinity_over_random")
+        }
         figures["entry_cpu_us_per_token"] = s["entry_cpu"]["us_per_token"]
         figures |= {f"forget_s_{how.replace(' ', '')}": v for how, v in s["forget_s"].items()}
-        rows += [dict(benchmark="mesh", model="default", backend=backend, metric=k, value=v, command=cmd)
-                 for k, v in figures.items()]
+        rows += [
+            {
+                "benchmark": "mesh",
+                "model": "default",
+                "backend": backend,
+                "metric": k,
+                "value": v,
+                "command": cmd,
+            }
+            for k, v in figures.items()
+        ]
     elif isinstance(d.get("results"), dict):  # blas.py
-        cmd = f"benchmarks/blas.py --size {d.get('size')} --threads {d.get('threads')} --rounds {d.get('rounds')}"
-        rows += [dict(benchmark="blas matmul", model=f"float32 {d.get('size')}^3", backend=r["blas"],
-                      metric="gflops", value=r["median_gflops"], command=cmd) for r in d["results"].values()]
+        size, threads, rounds = d.get("size"), d.get("threads"), d.get("rounds")
+        cmd = f"benchmarks/blas.py --size {size} --threads {threads} --rounds {rounds}"
+        rows += [
+            {
+                "benchmark": "blas matmul",
+                "model": f"float32 {d.get('size')}^3",
+                "backend": r["blas"],
+                "metric": "gflops",
+                "value": r["median_gflops"],
+                "command": cmd,
+            }
+            for r in d["results"].values()
+        ]
     elif isinstance(d.get("rows"), list):  # constrain.py
         for r in d["rows"]:
             if "library" in r:
                 for metric in ("compile_ms_median", "mask_us_median", "mask_us_p95", "mask_us_mean"):
-                    rows.append(dict(benchmark="constrain", model=f"vocab {r['vocab']}", backend=r["library"],
-                                     metric=metric, value=r[metric], command="benchmarks/constrain.py"))
+                    rows.append(
+                        {
+                            "benchmark": "constrain",
+                            "model": f"vocab {r['vocab']}",
+                            "backend": r["library"],
+                            "metric": metric,
+                            "value": r[metric],
+                            "command": "benchmarks/constrain.py",
+                        }
+                    )
     return rows
 
 
@@ -173,8 +286,11 @@ def add(args) -> None:
             print(f"{path}: nothing this script knows", file=sys.stderr)
         for row in rows:
             value = row["value"]
-            row.update(date=args.date or when or Date.today().isoformat(), machine=args.machine,
-                       value=f"{round(value, 4):.6g}" if isinstance(value, float) else str(value))
+            row.update(
+                date=args.date or when or Date.today().isoformat(),
+                machine=args.machine,
+                value=f"{round(value, 4):.6g}" if isinstance(value, float) else str(value),
+            )
             if args.command:
                 row["command"] = args.command
             new.append({k: row.get(k, "") for k in FIELDS})
@@ -199,7 +315,9 @@ def show(args) -> None:
     for r in load(args.csv):
         if args.machine and r["machine"] != args.machine:
             continue
-        if (args.benchmark and args.benchmark not in r["benchmark"]) or (args.metric and args.metric not in r["metric"]):
+        if (args.benchmark and args.benchmark not in r["benchmark"]) or (
+            args.metric and args.metric not in r["metric"]
+        ):
             continue
         key = (r["machine"], r["benchmark"], r["model"], r["backend"], r["metric"])
         if key not in latest or r["date"] >= latest[key]["date"]:
@@ -207,8 +325,10 @@ def show(args) -> None:
     print("| date | machine | benchmark | model | backend | metric | value |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in latest.values():
-        print(f"| {r['date']} | {r['machine']} | {r['benchmark']} | {r['model']} | {r['backend']} | "
-              f"{r['metric']} | {r['value']} |")
+        print(
+            f"| {r['date']} | {r['machine']} | {r['benchmark']} | {r['model']} | {r['backend']} | "
+            f"{r['metric']} | {r['value']} |"
+        )
 
 
 def main() -> None:
@@ -216,7 +336,9 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=CSV)
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("add", help="append a result's figures")
-    p.add_argument("results", type=Path, nargs="+", help="summary.json, startup.jsonl, a script's JSON, or a folder")
+    p.add_argument(
+        "results", type=Path, nargs="+", help="summary.json, startup.jsonl, a script's JSON, or a folder"
+    )
     p.add_argument("--machine", required=True, help="cpu, h100, h200, ...")
     p.add_argument("--date", help="YYYY-MM-DD (default: what the results record, else today)")
     p.add_argument("--command", help="the command that produced them (default: from the results)")
