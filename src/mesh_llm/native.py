@@ -1,15 +1,15 @@
-"""Load order for llama.cpp builds that carry their own copy of libstdc++'s locale objects (issue 9).
+"""Load order for llama.cpp builds that carry their own copy of libstdc++'s locale objects.
 
 CUDA builds of llama.cpp compiled through nvcc can define and export libstdc++'s locale facet ids
 (``std::numpunct<char>::id`` and 40 more) and the stream code that uses them inside
-``libggml-cuda.so`` itself: seen with llama-cpp-python 0.3.36 built for CUDA 13 on the H200 (1,538
+``libggml-cuda.so`` itself: seen with llama-cpp-python 0.3.36 built for CUDA 13 (H200, 2026-12-03; 1,538
 ``std::`` symbols defined there). Facet ids are STB_GNU_UNIQUE symbols, bound process-wide to the
 first definition loaded. When ``libstdc++.so.6`` is loaded first (numpy, MLX and most C++
 extensions load it), libggml-cuda's own locale code indexes facets with ids numbered by the other
 copy, and its first ``ostream << long`` (``llama_model::print_info`` at model load) dies with SIGSEGV
 (cuda-gdb: ``std::codecvt<char16_t>::do_unshift`` in libggml-cuda.so, from ``_M_insert<long>``);
-``LD_DEBUG=bindings`` shows exactly these 85 symbols moving to libstdc++.so.6 when numpy comes first
-(``benchmarks/gpu_llama_import.py``, results in ``benchmarks/results/h200-conc-20261203/``). The other
+``LD_DEBUG=bindings`` shows exactly these 85 symbols moving to libstdc++.so.6 when numpy comes first.
+The other
 order works for serving, but then another C++ library's locale code may be the one that crashes
 (matplotlib did, in a benchmark harness that had loaded llama.cpp first).
 
@@ -19,7 +19,7 @@ engine refuses with a clear message, instead of crashing, when it would be loade
 that keep libstdc++ to itself (CPU builds, Metal) are left alone and cost nothing but a symbol check.
 ``MESH_LLM_LLAMA_FIRST=0`` turns the early load off, for a process that will not serve GGUF models.
 
-The early load has a price: MLX cannot run after such a build either. On an H100 with llama-cpp-python
+The early load has a price: MLX cannot run after such a build either. On an H100 (2026-12-06) with llama-cpp-python
 0.3.36's CUDA build and MLX's CUDA build, ``mx.load`` of a safetensors file died with SIGSEGV in a
 process that had loaded llama.cpp first (a matmul did not). So a process that is to run MLX must not
 have loaded it: ``mesh-llm serve`` starts itself again without the early load when its models all go

@@ -163,7 +163,7 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     sock = bind(config.host, config.port)
     workers = start_workers(plans, config, progress_factory)
     # imported while the engines load on their threads: FastAPI's import alone took 0.2 s of a
-    # 2-core machine's start and 0.8 s on the H200's host (benchmarks/results/cpu-startup-20261205/)
+    # 2-core machine's start and 0.8 s on the H200's host (2026-12-05)
     from mesh_llm.api.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
 
     body_limit = config.max_body_bytes or DEFAULT_MAX_BODY_BYTES

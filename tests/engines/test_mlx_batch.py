@@ -69,21 +69,21 @@ def smollm():
     engine.close()
 
 
-def sibling(engine, pipelined=None, together=None, model=None, traced=False, bucket=0, keep_slots=None,
+def sibling(engine, pipelined=None, together=None, model=None, bucket=0, keep_slots=None,
             prefill_step=32, context=CONTEXT, **options):
     """Another engine on the same weights, with other options. ``pipelined``: queue each step before
     reading the last, ``together``: read chunks that start at the same position in one pass,
     ``keep_slots``: rows that leave the decode batch leave their slots (the defaults on a GPU), and
-    ``traced``: decode through the compiled step (engines/mlx_compiled.py), and ``bucket``: prompt
-    chunks padded and their keys read in steps (mlx_attention), to check those paths on this CPU;
+    ``bucket``: prompt chunks padded and their keys read in steps (mlx_attention), to check those
+    paths on this CPU;
     chunks of ``prefill_step`` tokens; a ``context`` of that many positions."""
-    if traced or bucket:
+    if bucket:
         from mesh_llm.engines import mlx_attention
 
-        assert mlx_attention.install(engine._model, traced=traced, in_steps=bool(bucket))
+        assert mlx_attention.install(engine._model, in_steps=True)
     return MLXEngine(model or engine._model, engine.tokenizer, {}, context,
                      EngineOptions(prefill_step=prefill_step, **options), {}, "safetensors",
-                     pipelined=pipelined, together=together, traced=traced, bucket=bucket,
+                     pipelined=pipelined, together=together, bucket=bucket,
                      keep_slots=keep_slots)
 
 
@@ -157,65 +157,6 @@ def test_eight_sequences_match_their_solo_runs(smollm):
     differ = agree_with_solo(cases, alone, run_batched(smollm, cases, budget=64))
     print(f"\n{len(differ)} of 8 sequences diverge from their solo runs: {differ}")
     assert smollm.cache_stats()["entries"] == 0
-
-
-@pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
-def test_traced_decode_steps_match_their_solo_runs(smollm, pipelined):
-    """The GPU's compiled decode step (engines/mlx_compiled.py): eight sequences joining at different
-    steps, decoded through it, answer as each does alone through mlx-lm's own step."""
-    engine = sibling(smollm, pipelined, traced=True, cache_bytes=0)
-    cases = eight_cases(engine)
-    alone = [run_alone(smollm, c) for c in cases]
-    batched = run_batched(engine, cases, budget=64)
-    assert engine._compiled.steps > 0
-    agree_with_solo(cases, alone, batched)
-
-
-def test_a_traced_step_gives_mlx_lms_own_logits(smollm):
-    """One step at a time, against mlx-lm's step on an equal cache (float32): one row's KVCache and a
-    batch of three left-padded rows, past a buffer's growth at 256 positions, one row leaving
-    mid-way. Greedy tokens equal, logits within 1e-4."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-
-    from mesh_llm.engines import mlx_attention
-    from mesh_llm.engines.mlx_compiled import CompiledDecode
-
-    model = smollm._model
-    assert mlx_attention.install(model, traced=True)
-    traced = CompiledDecode(model)
-    vocab = smollm.tokenizer.vocab_size
-
-    def read(n, seed):
-        cache = make_prompt_cache(model)
-        model(mx.array([[(31 * i + seed) % vocab for i in range(n)]]), cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache
-
-    def batch():
-        a, b, c = read(250, 1), read(100, 2), read(40, 3)
-        merged = [BatchKVCache.merge([x, y]) for x, y in zip(a, b)]
-        for m, z in zip(merged, c):
-            m.extend(BatchKVCache.merge([z]))
-        return merged
-
-    worst = 0.0
-    for make, first, leave in ((lambda: read(250, 7), [11], None), (batch, [11, 12, 13], 6)):
-        ours, theirs = make(), make()
-        y_ours = y_theirs = mx.array(first)
-        for step in range(12):
-            if step == leave:
-                for c in ours + theirs:
-                    c.filter([0, 2])
-                y_ours, y_theirs = y_ours[mx.array([0, 2])], y_theirs[mx.array([0, 2])]
-            expected = model(y_theirs[:, None], cache=theirs)[:, -1, :]
-            got = traced.step(y_ours, ours)
-            worst = max(worst, mx.max(mx.abs(got - expected)).item())
-            y_ours, y_theirs = mx.argmax(got, axis=-1), mx.argmax(expected, axis=-1)
-            assert y_ours.tolist() == y_theirs.tolist()
-        assert ours[0].keys.shape[2] == 512  # the buffers grew past 256
-    assert traced.steps == 24
-    assert worst <= 1e-4, worst
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["read-each-step", "pipelined"])
@@ -880,23 +821,9 @@ def test_a_chunk_reading_keys_in_steps_attends_as_mlx_lm_does():
     assert mx.allclose(prefill_in_steps(queries, cache, 0.125), want, atol=1e-5).item()
 
 
-def test_a_traced_step_refuses_a_model_whose_attention_is_not_routed():
-    """Without mlx_attention's routing, mlx-lm's attention would read a traced step's whole buffer,
-    unwritten positions included: refused at once instead."""
-    from mlx_lm.models import qwen2
-
-    from mesh_llm.engines.mlx_compiled import CompiledDecode
-
-    model = qwen2.Model(qwen2.ModelArgs.from_dict({
-        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 32}))
-    with pytest.raises(ValueError, match="routed"):
-        CompiledDecode(model)
-
-
 @pytest.mark.parametrize("together", [False, True], ids=["one-pass-each", "together"])
 def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together, monkeypatch):
-    """``bucket`` (MESH_LLM_PREFILL_BUCKET): every prompt chunk padded to a multiple of 12 tokens (at
+    """``bucket``: every prompt chunk padded to a multiple of 12 tokens (at
     most the 32-token chunk), its attention over keys read in 256-position steps, and the padding
     trimmed from the caches again, alone and read together: the warm-up reads each padded width,
     each sequence answers as it does unpadded, and a prompt stored by the prompt cache resumes with

@@ -197,15 +197,13 @@ def test_sequences_preempted_on_the_gpu_answer_as_alone(checkpoints, monkeypatch
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("rows,bounded", [(6, False), (1, False), (6, True), (1, True)])
+@pytest.mark.parametrize("rows", [6, 1])
 @pytest.mark.parametrize("heads,kv_heads,size,keys,dtype", [
     (14, 2, 64, 700, "float16"), (28, 4, 128, 37, "float16"), (8, 8, 96, 300, "bfloat16"), (4, 4, 64, 129, "float32")])
-def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_heads, size, keys, dtype, rows,
-                                                                   bounded):
+def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_heads, size, keys, dtype, rows):
     """engines/mlx_attention.py against mx.fast.scaled_dot_product_attention with the left-padding
     mask: every row from its own start, the first ``keys`` positions of a larger buffer read (as a
-    cache holds them), grouped heads; one row (32 warps a block) and six; ``bounded``: the last
-    position to read given as an array (a traced step, engines/mlx_compiled.py)."""
+    cache holds them), grouped heads; one row (32 warps a block) and six."""
     import mlx.core as mx
 
     from mesh_llm.engines.mlx_attention import decode_attention
@@ -219,11 +217,7 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
     k, v = k_all[:, :, :keys], v_all[:, :, :keys]
     starts = mx.array([0, keys - 1, keys // 2, 1, keys // 3, 0][:rows], dtype=mx.int32)
     mask = mx.arange(keys)[None, None, None, :] >= starts[:, None, None, None]
-    if bounded:
-        write = mx.array([keys - 1], dtype=mx.int32)
-        fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, write=write).astype(mx.float32)
-    else:
-        fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, length=keys).astype(mx.float32)
+    fused = decode_attention(q, k_all, v_all, size ** -0.5, starts, length=keys).astype(mx.float32)
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=size ** -0.5, mask=mask).astype(mx.float32)
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[dtype]
     assert mx.max(mx.abs(fused - reference)).item() <= tolerance
@@ -258,7 +252,7 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     again = decode_attention(q, k, k, 0.125, starts, length=400)
     assert mx.array_equal(first, again).item()
     with pytest.raises(AssertionError, match="compiled again"):
-        nvrtc.cubin("changed", kernel_source("changed", mx.float16, 14, 2, 64, False) + "// changed\n")
+        nvrtc.cubin("changed", kernel_source("changed", mx.float16, 14, 2, 64) + "// changed\n")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])

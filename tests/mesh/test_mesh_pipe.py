@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 from mesh_llm.mesh.relay import RELAY_HEADER, PeerSilent, Stopped, Upstream
 

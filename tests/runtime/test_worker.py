@@ -154,30 +154,19 @@ def test_a_model_that_fails_to_load_reports_why(tmp_path):
         w.submit(GenerationRequest([1, 2], GREEDY, 2), Collector())
 
 
-def test_a_step_over_the_slow_limit_is_logged_and_can_dump_every_stack(worker, monkeypatch, caplog, capfd):
-    """Limits of 0 s make every step slow: the worker says so (how many sequences were reading and
+def test_a_step_over_the_slow_limit_is_logged(worker, monkeypatch, caplog):
+    """A limit of 0 s makes every step slow: the worker says so (how many sequences were reading and
     decoding) where streams were decoding, not for the prompt's read alone (on a CPU a long prompt
-    takes seconds and stalls nobody), and with MESH_LLM_STALL_DUMP faulthandler writes the threads'
-    stacks to stderr."""
+    takes seconds and stalls nobody)."""
     import mesh_llm.runtime.worker as worker_module
 
     monkeypatch.setattr(worker_module, "SLOW_STEP_S", 0.0)
-    monkeypatch.setattr(worker_module, "STALL_DUMP_S", 0.001)
-    monkeypatch.setattr(worker._engine, "step", _slowed(worker._engine.step))  # noqa: SLF001
     c = Collector()
     with caplog.at_level("WARNING", logger="mesh_llm.worker"):
         worker.submit(request(worker, "Count to three:", max_tokens=2, ignore_eos=True), c)
         assert c.final.finish_reason == "length"
     slow = [r.getMessage() for r in caplog.records if "one engine step took" in r.getMessage()]
     assert slow and all("0 decoding" not in m for m in slow), slow
-    assert "Timeout (0:00:00.001000)!" in capfd.readouterr().err
-
-
-def _slowed(step):
-    def slow(budget):
-        time.sleep(0.05)  # past the 1 ms dump limit, so faulthandler fires during the step
-        return step(budget)
-    return slow
 
 
 def test_each_admission_and_step_is_logged_at_debug_level(worker, caplog):

@@ -68,7 +68,7 @@ def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str,
     A model in both forms goes to the engine measured faster: llama.cpp, on this CPU (its quantized
     kernels; MLX has none on a CPU) and on the H200 up to about 32 streams (the Qwen2.5-0.5B shape
     through the servers, 2026-12-03: 550 against 191 tok/s for one stream, 831 against 525 for 8;
-    MLX led only at 32, 1,751 against 736; README, "What we measured").
+    MLX led only at 32, 1,751 against 736; docs/performance.md).
     """
     if requested == "llama":
         if "gguf" not in forms:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +40,8 @@ class NoCapacity(Exception):
 
 # On a GPU, prompt chunks (``EngineInfo.prefill_step`` tokens each) one step reads while other
 # sequences decode (2,048 tokens on the llama engine, as llama-server's n_batch): a pass over several
-# newcomers' chunks costs little more than over one (MESH_LLM_GPU_PREFILL_CHUNKS: another count, to
-# compare)
-GPU_PREFILL_CHUNKS = int(os.environ.get("MESH_LLM_GPU_PREFILL_CHUNKS") or 4)
+# newcomers' chunks costs little more than over one
+GPU_PREFILL_CHUNKS = 4
 PREFILL_STEP = 512  # prompt tokens of one sequence a forward pass reads, unless an engine knows better
 
 

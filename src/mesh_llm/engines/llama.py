@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
 import weakref
 from collections import deque
@@ -134,7 +133,7 @@ class LlamaEngine(Engine):
         """``kv_cells``: the pool's size (default: from memory, ``llama_batch.plan_pool``); a pool
         smaller than the context also shortens the context to it. ``streams``: a stream of cells per
         sequence instead of one pool (default: on a GPU, where every sequence's whole context fits
-        the memory plan; ``MESH_LLM_KV_STREAMS=0|1`` decides otherwise); see :meth:`_compact`."""
+        the memory plan); see :meth:`_compact`."""
         path = resolve(path)
         meta = check_gguf(path)
         if options.max_batch is not None and not 1 <= options.max_batch <= MAX_SEQUENCES:
@@ -183,8 +182,7 @@ class LlamaEngine(Engine):
         pool = kv_cells or pool
         n_seq_max = min(MAX_SEQUENCES, 2 * max_batch)  # running ones, and as many retired
         if streams is None:
-            setting = os.environ.get("MESH_LLM_KV_STREAMS")
-            streams = gpu if setting is None else setting == "1"
+            streams = gpu
             # every stream holds a whole context: retired ones only as far as the KV's share allows
             fit = kv_bytes // max(1, cell_bytes) // n_ctx_seq - max_batch
             streams = streams and not kv_cells and fit >= 0 and not whole
@@ -217,7 +215,7 @@ class LlamaEngine(Engine):
 
     def warm_up(self) -> float:
         """Run once, before ready, the passes serving makes, as llama-server does at its start: on an
-        H100 (2026-12-06, ``benchmarks/results/h100-20261206f/lengths/``) a fresh process's first
+        H100 (2026-12-06) a fresh process's first
         request took 69-228 ms for a 19-token prompt, where a later 128-token one took 7-17 ms, and
         its first pass of each size (about 125 prompt tokens, then about 500) 34-120 ms. Two short
         prompts read and decoded together, then one each of 128 tokens, a chunk and a whole pass,

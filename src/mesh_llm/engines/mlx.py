@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -55,7 +54,6 @@ from mesh_llm.engines.base import (
 )
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
-from mesh_llm.engines.mlx_compiled import CompiledDecode
 from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
 from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx_sampling import SequenceSampler
@@ -74,28 +72,27 @@ MEMORY_SHARE = 0.75
 ANSWER_HEADROOM = 256
 # Most sequences decoded together by default: a GPU's step time hardly grows with the batch; on a
 # CPU it does, and each sequence slows down (SmolLM2 on 2 cores: 16 tok/s alone, 10.8 each at 8, 8
-# at 16: README, "Continuous batching").
+# at 16; docs/performance.md).
 MAX_BATCH_GPU, MAX_BATCH_CPU = 32, 8
 _CLEAR_EVERY = 256  # steps between returns of the allocator's cached buffers
-# Prompt chunks padded to a multiple of this many tokens on CUDA (MESH_LLM_PREFILL_BUCKET; 0: off), so
+# Prompt chunks padded to a multiple of this many tokens on CUDA, so
 # that a new prompt length reuses MLX's CUDA graphs instead of building them again (with
-# mlx_attention.prefill_in_steps). On the H200, three runs each: the first 640-token request after
+# mlx_attention.prefill_in_steps). On the H200 (2026-12-04), three runs each: the first 640-token request after
 # the warm-up got its first token in 27.9-41.6 ms padded against 44.0-63.8 unpadded, a 641-token one
-# after it in 23.6-39.2 against 42.8-65.3 (benchmarks/results/h200-20261204c/prefill-steps/).
+# after it in 23.6-39.2 against 42.8-65.3.
 # Elsewhere padding only adds arithmetic.
 CUDA_PREFILL_BUCKET = 64
 WIDE_CHUNK = 512  # chunks over this many tokens are padded to four buckets (256 tokens on CUDA)
 # A sequence's prompt tokens per pass on a GPU (``--prefill-step`` otherwise): a 640-token prompt is
 # read in one pass, not two, and each pass costs the host its kernel count whatever its rows. On the
-# H200, 640-token prompts alternated with 512: 0.5B at 8 streams TTFT p50 110-182 ms against 183-312,
-# at 32 streams 4,172 / 4,351 tok/s against 3,644 / 4,192; the 7B shape even
-# (benchmarks/results/h200-20261205/). The warm-up reads ten padded widths, not eight (+0.1-0.2 s).
+# H200 (2026-12-05), 640-token prompts alternated with 512: 0.5B at 8 streams TTFT p50 110-182 ms against 183-312,
+# at 32 streams 4,172 / 4,351 tok/s against 3,644 / 4,192; the 7B shape even. The warm-up reads ten
+# padded widths, not eight (+0.1-0.2 s).
 GPU_PREFILL_STEP = 1024
 # Reading prompts together, a newcomer starts from a stored or running prefix only if it holds at
 # least this many tokens. Chat prompts that share only a template's first few tokens would otherwise
 # start at as many positions and be read in as many passes, each newcomer's prefix copied out first;
-# recomputing fewer tokens than this costs a GPU nothing. (The bench's 8-stream prompts share no
-# prefix, so it did not move their TTFT on the H200: benchmarks/results/h200-20261204e/, section 3.)
+# recomputing fewer tokens than this costs a GPU nothing.
 TOGETHER_MIN_REUSE = 64
 
 
@@ -140,19 +137,18 @@ class MLXEngine(Engine):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, config: dict[str, Any],
                  context_length: int, options: EngineOptions, details: dict[str, str],
                  model_format: str, pipelined: bool | None = None, together: bool | None = None,
-                 traced: bool = False, bucket: int = 0, keep_slots: bool | None = None):
+                 bucket: int = 0, keep_slots: bool | None = None):
         """``pipelined``: queue step n+1 before reading step n (default: on a GPU only), except a
         step that samples a newcomer's first token, read at once.
         ``together``: prompt chunks that start at the same position are read in one forward pass
         (default: on a GPU only, where a pass costs about the same for one row or eight; a CPU's
         cost grows with the rows, and one pass per sequence keeps its results those of a solo run).
-        ``traced``: decode steps through ``mlx_compiled`` (the model's attention must be routed by
-        ``mlx_attention.install(model, traced=True)``). ``bucket``: prompt chunks padded to a
+        ``bucket``: prompt chunks padded to a
         multiple of this many tokens, the padding then cut from the KV (plain KV caches only; 0: off),
         and their attention reading keys in whole steps where routed
         (``mlx_attention.install(model, in_steps=True)``). On CUDA a chunk of a new width or key count
-        rebuilds MLX's CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt on the H200:
-        benchmarks/GPU.md); with both bounded, prompts of any length make few shapes.
+        rebuilds MLX's CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt: H200, 2026-12-04); with
+        both bounded, prompts of any length make few shapes.
         ``keep_slots``: a row that leaves the decode batch leaves its slot for newcomers
         (``mlx_batch``; default: where pipelined, as on a GPU, whose step costs the same for one row
         more; a CPU's grows with the rows)."""
@@ -166,19 +162,16 @@ class MLXEngine(Engine):
         self._details = details
         self._format = model_format
         self._pipelined = on_gpu() if pipelined is None else pipelined
-        if keep_slots is None:  # MESH_LLM_KEEP_SLOTS=0: cut every row out as it leaves, to compare
-            keep_slots = self._pipelined and os.environ.get("MESH_LLM_KEEP_SLOTS", "1") != "0"
-        self._keep_slots = keep_slots
+        self._keep_slots = self._pipelined if keep_slots is None else keep_slots
         self._eos = np.zeros(self._vocab, dtype=bool)
         self._eos[[t for t in tokenizer.eos_token_ids if t < self._vocab]] = True
         self._seqs: dict[int, _Sequence] = {}
         self._reading: list[_Sequence] = []  # reading their prompts, first come first served
         self._groups: list[DecodeGroup] = []
         self._steps = 0
-        self._compiled = CompiledDecode(model) if traced else None
         fresh = make_prompt_cache(model)
-        if together is None:  # MESH_LLM_PREFILL_TOGETHER=0: one pass per sequence, to compare
-            together = on_gpu() and os.environ.get("MESH_LLM_PREFILL_TOGETHER", "1") != "0"
+        if together is None:
+            together = on_gpu()
         plain = all(type(c) is KVCache for c in fresh)
         self._together = together and plain  # stacked, split again
         # Reading together, a newcomer reuses no prefix under TOGETHER_MIN_REUSE tokens (then it
@@ -224,22 +217,15 @@ class MLXEngine(Engine):
         kernels = cuda_settings()
         model, config, tokenizer, fmt, details, ctx = load_any(Path(path), options, progress)
         details["blas"] = _BLAS
-        # An experiment, on a GPU only (README, "MLX on a GPU"); a CPU's mx.compile also needs a C++
-        # compiler at run time, and its tests build the engine with traced=True.
-        traced = on_gpu() and os.environ.get("MESH_LLM_COMPILED_DECODE", "0") == "1"
-        default = CUDA_PREFILL_BUCKET if mlx_attention.on_cuda() else 0
-        bucket = int(os.environ.get("MESH_LLM_PREFILL_BUCKET") or default)
-        routed = mlx_attention.install(model, traced, in_steps=bucket > 0)
-        traced = routed and traced
+        bucket = CUDA_PREFILL_BUCKET if mlx_attention.on_cuda() else 0
+        routed = mlx_attention.install(model, in_steps=bucket > 0)
         if routed and mlx_attention.fused_here():
             details["decode_attention"] = "one fused kernel for batched rows"
-        if traced:
-            details["decode_step"] = "compiled once per shape (mx.compile)"
         if not on_gpu():
             details["threads"] = str(threads)
         if kernels:
             details["kernel_cache"] = kernels
-        engine = cls(model, tokenizer, config, ctx, options, details, fmt, traced=traced, bucket=bucket)
+        engine = cls(model, tokenizer, config, ctx, options, details, fmt, bucket=bucket)
         if (seconds := warm_up_before_ready(engine, options, on_gpu())) is not None:
             details["warm_up"] = f"{seconds:.1f} s"
         return engine
@@ -367,7 +353,7 @@ class MLXEngine(Engine):
         first use builds the batched decode attention (``mlx_attention``: compiled once per GPU and
         kept on disk). Larger batch sizes are left to serving: a size's first join and step cost
         6-45 ms more than later ones, about what warming it cost, but before ready, 1.3 s for 32
-        sizes (benchmarks/results/h200-20261204c/). Nothing reaches the prompt cache. Returns seconds."""
+        sizes (H200, 2026-12-04). Nothing reaches the prompt cache. Returns seconds."""
         started, caching = time.perf_counter(), self._caching
         self._caching = False
         try:
@@ -623,8 +609,7 @@ class MLXEngine(Engine):
             s.group, s.cache, s.shared = group, None, None
 
     def _new_group(self) -> DecodeGroup:
-        return DecodeGroup(self._model, self._vocab, self._eos, self._pipelined, self._compiled,
-                           keep_slots=self._keep_slots)
+        return DecodeGroup(self._model, self._vocab, self._eos, self._pipelined, keep_slots=self._keep_slots)
 
     # -- memory ----------------------------------------------------------------------------------
 

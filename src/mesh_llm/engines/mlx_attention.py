@@ -4,25 +4,21 @@ A decode step of several sequences keeps their KV in mlx-lm's ``BatchKVCache``: 
 lengths are right-aligned and each row's first ``left_padding`` positions masked. MLX 0.32's CUDA
 backend has a fused attention kernel for one query per row (``sdpa_vector``) but it takes no mask
 array, so a masked step falls back to separate kernels per layer (scores, mask, softmax, product) and
-a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H200,
-``benchmarks/gpu_mlx_step.py``). :func:`decode_attention` is that fused kernel with each row's start
+a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H200, 2026-12-03). :func:`decode_attention` is that fused kernel with each row's start
 as an input: one thread block per (row, query head), 8 or 32 warps walking the row's keys with an
 online softmax, merged at the end; compiled once per shape and GPU architecture and kept on disk
 (:mod:`mesh_llm.engines.nvrtc`). :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
-on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a traced
-decode step's (:class:`StepKV`, ``mlx_compiled``, any device) to :func:`attend`, and a prompt chunk
-read under :func:`keys_in_steps` to :func:`prefill_in_steps`; every other call stays mlx-lm's.
+on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a prompt
+chunk read under :func:`keys_in_steps` to :func:`prefill_in_steps`; every other call stays mlx-lm's.
 """
 
 from __future__ import annotations
 
 import contextvars
-import os
 import struct
 import sys
 from contextlib import contextmanager
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -31,7 +27,7 @@ from mesh_llm.engines import nvrtc
 
 # Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
 # multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
-# layer against 20 and 22 for MLX's own one-row kernel: benchmarks/results/h200-host-20261203/), else 8.
+# layer against 20 and 22 for MLX's own one-row kernel, H200, 2026-12-03), else 8.
 # The count is the launch's, not the code's: one binary serves every batch size.
 _WARPS_FEW, _WARPS_MANY, _FEW_BLOCKS = 32, 8, 128
 _HEAD_SIZES = (64, 96, 128, 256)
@@ -45,8 +41,8 @@ _VETTED = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3"
 # it in a moment, once per architecture, and the binary is kept on disk (engines/nvrtc.py). Rows are
 # contiguous (B, heads, capacity, D) buffers; row b reads positions starts[b] .. LENGTH - 1.
 _SOURCE = """
-extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts, ENDS T* out,
-                                int capacity, float scale LENGTH_ARG) {
+extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts, T* out,
+                                int capacity, float scale, int length_given) {
     const int row_head = blockIdx.x;
     const int b = row_head / HQ;
     const int h = row_head % HQ;
@@ -55,7 +51,7 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int PER_LANE = D / 32;
-    const int length = LENGTH;
+    const int length = length_given;
     const int first = starts[b];
     const float inf = __int_as_float(0x7f800000);
 
@@ -108,56 +104,31 @@ KEY_STEP = 256  # positions a prompt chunk's keys are read in (mlx-lm's KVCache 
 _in_steps = contextvars.ContextVar("mesh_llm_keys_in_steps", default=False)
 
 
-class StepKV:
-    """A layer cache as a traced step (``mlx_compiled``) sees it: the whole buffer, the new
-    position written at ``write``; rows read from ``starts`` to ``write`` (:func:`attend`)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, write: mx.array,
-                 starts: mx.array):
-        self.keys, self.values = keys, values
-        self.offset = positions  # each row's position, for the rotary embedding
-        self.write, self.starts = write, starts
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.write, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.write, axes=(2,))
-        return self.keys, self.values
-
-    def make_mask(self, n: int, **_: Any) -> None:
-        return None  # attention masks by starts and write
-
-
-def kernel_source(name: str, dtype: mx.Dtype, heads: int, kv_heads: int, size: int, bounded: bool) -> str:
-    """The decode attention's CUDA source for one shape: ``bounded`` reads to ``ends[0]`` (an array,
-    a traced step's), else to the ``length`` given at launch."""
+def kernel_source(name: str, dtype: mx.Dtype, heads: int, kv_heads: int, size: int) -> str:
+    """The decode attention's CUDA source for one shape (rows read to the ``length`` given at launch)."""
     return (f"#define HQ {heads}\n#define HKV {kv_heads}\n#define D {size}\n"
             + nvrtc.TYPES[str(dtype).rsplit(".", 1)[-1]]
-            + _SOURCE.replace("NAME", name)
-            .replace("ENDS", "const int* ends," if bounded else "")
-            .replace("LENGTH_ARG", "" if bounded else ", int length_given")
-            .replace("LENGTH", "ends[0] + 1" if bounded else "length_given"))
+            + _SOURCE.replace("NAME", name))
 
 
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                     starts: mx.array, length: int | None = None, write: mx.array | None = None) -> mx.array:
+                     starts: mx.array, length: int | None = None) -> mx.array:
     """Attention of one query per row, (B, Hq, 1, D), over the whole key and value buffers
     (B, Hkv, capacity, D): row ``b`` reads positions ``starts[b]`` to ``length - 1`` (default: the
-    capacity), or to ``write[0]`` where given (a traced step's buffer, ``mlx_compiled``). Returns
-    (B, Hq, 1, D) in the queries' dtype."""
+    capacity). Returns (B, Hq, 1, D) in the queries' dtype."""
     batch, heads, _, size = queries.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
-    bounded = write is not None
-    shape = (queries.dtype, heads, kv_heads, size, bounded)
+    shape = (queries.dtype, heads, kv_heads, size)
     if shape not in _binaries:  # a dictionary look-up a call: this runs for every layer of every step
-        name = (f"mesh_llm_decode_attention_{str(queries.dtype).rsplit('.', 1)[-1]}_{heads}_{kv_heads}_{size}"
-                + ("_bounded" if bounded else ""))
+        name = f"mesh_llm_decode_attention_{str(queries.dtype).rsplit('.', 1)[-1]}_{heads}_{kv_heads}_{size}"
         _binaries[shape] = name, nvrtc.cubin(name, kernel_source(name, *shape))
     name, binary = _binaries[shape]
     warps = _WARPS_FEW if batch * heads <= _FEW_BLOCKS else _WARPS_MANY
-    inputs = [queries, keys, values, starts.astype(mx.int32)] + ([write.astype(mx.int32)] if bounded else [])
+    inputs = [queries, keys, values, starts.astype(mx.int32)]
     # MLX takes a float scalar only when float32 holds it exactly
     scale = struct.unpack("f", struct.pack("f", scale))[0]
-    scalars = [capacity, scale] + ([] if bounded else [capacity if length is None else int(length)])
+    scalars = [capacity, scale, capacity if length is None else int(length)]
     (out,) = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=binary, inputs=inputs, scalars=scalars,
         grid=(batch * heads * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
@@ -166,16 +137,6 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     )
     return out
 
-
-def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: StepKV, scale: float,
-           sinks: mx.array | None = None) -> mx.array:
-    """A traced decode step's attention: each row over its own positions of the whole buffer."""
-    if sinks is None and on_cuda() and _fits(queries, keys, values) and nvrtc.available():
-        return decode_attention(queries, keys, values, scale, cache.starts, write=cache.write)
-    positions = mx.arange(keys.shape[2])
-    mask = (positions[None] >= cache.starts[:, None]) & (positions[None] <= cache.write)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                mask=mask[:, None, None, :], sinks=sinks)
 
 
 @contextmanager
@@ -193,8 +154,8 @@ def prefill_in_steps(queries: mx.array, cache: KVCache, scale: float) -> mx.arra
     """A prompt chunk's causal attention over its cache's keys read up to the next multiple of
     :data:`KEY_STEP` positions, the rest masked. On CUDA MLX rebuilds its graphs for every new pair
     of chunk width and key count (cuBLAS picks other kernels for the scores' product); with chunks
-    padded to a bucket (``MESH_LLM_PREFILL_BUCKET``) and keys read in steps, prompts of any length
-    make a few pairs, each built once."""
+    padded to a bucket and keys read in steps, prompts of any length make a few pairs, each built
+    once."""
     width, end = queries.shape[2], cache.offset
     length = min(cache.keys.shape[2], -(-end // KEY_STEP) * KEY_STEP)
     mask = mx.arange(length)[None] <= mx.arange(end - width, end)[:, None]  # stale positions too
@@ -204,8 +165,8 @@ def prefill_in_steps(queries: mx.array, cache: KVCache, scale: float) -> mx.arra
 
 def fused_here() -> bool:
     """Whether a batched decode step's attention is :func:`decode_attention` here: on CUDA with an
-    NVRTC to build it, unless ``MESH_LLM_FUSED_DECODE=0``."""
-    return on_cuda() and os.environ.get("MESH_LLM_FUSED_DECODE", "1") != "0" and nvrtc.available()
+    NVRTC to build it."""
+    return on_cuda() and nvrtc.available()
 
 
 def on_cuda() -> bool:
@@ -229,15 +190,14 @@ def applies(queries: mx.array, keys: mx.array, values: mx.array, cache, sinks) -
                and b.shape[3] == a.shape[3] and b.shape[2] >= a.shape[2] for a, b in zip((keys, values), buffers))
 
 
-def install(model, traced: bool = False, in_steps: bool = False) -> bool:
+def install(model, in_steps: bool = False) -> bool:
     """Route the attention of ``model``'s architecture (its mlx-lm module's
-    ``scaled_dot_product_attention``): a :class:`StepKV` cache's (``traced``, any device) to
-    :func:`attend`; a prompt chunk over a plain ``KVCache`` under :func:`keys_in_steps` (``in_steps``,
-    any device) to :func:`prefill_in_steps`; and on CUDA, unless ``MESH_LLM_FUSED_DECODE=0``, a decode
+    ``scaled_dot_product_attention``): a prompt chunk over a plain ``KVCache`` under
+    :func:`keys_in_steps` (``in_steps``, any device) to :func:`prefill_in_steps`; and on CUDA a decode
     step over a ``BatchKVCache`` to :func:`decode_attention`. Every other call stays mlx-lm's.
-    Returns whether the architecture's attention is routed (else a traced step cannot run on it)."""
+    Returns whether the architecture's attention is routed."""
     fused = fused_here()
-    if not (fused or traced or in_steps):
+    if not (fused or in_steps):
         return False
     name = type(model).__module__
     module = sys.modules.get(name)
@@ -247,8 +207,6 @@ def install(model, traced: bool = False, in_steps: bool = False) -> bool:
     original = getattr(original, "mesh_llm_original", original)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if type(cache) is StepKV:
-            return attend(queries, keys, values, cache, scale, sinks)
         if (_in_steps.get() and type(cache) is KVCache and isinstance(mask, str) and mask == "causal"
                 and sinks is None and queries.shape[2] > 1):
             return prefill_in_steps(queries, cache, scale)

@@ -36,7 +36,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mesh_llm.engines.base import SamplingParams, Step
-from mesh_llm.engines.mlx_compiled import CompiledDecode, traceable
 from mesh_llm.engines.mlx_sampling import (
     RowSettings,
     SequenceSampler,
@@ -88,10 +87,8 @@ class Launch:
 class DecodeGroup:
     """Rows decoded in one forward pass: their layer caches, next inputs and PRNG keys."""
 
-    def __init__(self, model, vocab: int, eos: np.ndarray, pipelined: bool,
-                 compiled: CompiledDecode | None = None, keep_slots: bool = False):
+    def __init__(self, model, vocab: int, eos: np.ndarray, pipelined: bool, keep_slots: bool = False):
         self._model, self._vocab, self._eos, self._pipelined = model, vocab, eos, pipelined
-        self._compiled = compiled  # the traced decode step, where the model's attention takes it
         self._keep_slots = keep_slots
         self._steps = 0
         self.rows: list[Row] = []  # a slot each, vacant ones included
@@ -244,10 +241,7 @@ class DecodeGroup:
         if self._settings is None:
             self._settings = RowSettings([r.sampler for r in self.rows], self._vocab)
         settings = self._settings
-        if self._compiled is not None and traceable(self._caches):
-            logits = self._compiled.step(self._inputs, self._caches)
-        else:
-            logits = self._model(self._inputs[:, None], cache=self._caches)[:, -1, :]
+        logits = self._model(self._inputs[:, None], cache=self._caches)[:, -1, :]
         values = scores(logits, settings)
         subkeys = None
         if settings.sampled:

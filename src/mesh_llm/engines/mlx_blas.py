@@ -2,7 +2,7 @@
 
 The ``mlx[cpu]`` wheel links ``mlx_cpu.libs/libblas-<hash>.so`` (netlib's reference BLAS): a 2048³
 float32 matmul runs at ~5 GFLOP/s on the 2-core EPYC dev machine, against ~200 GFLOP/s with
-OpenBLAS (``benchmarks/blas.py``). Loading an OpenBLAS with ``RTLD_GLOBAL`` before ``mlx.core`` is
+OpenBLAS (``benchmarks/blas.py``, docs/performance.md). Loading an OpenBLAS with ``RTLD_GLOBAL`` before ``mlx.core`` is
 first imported puts its ``cblas_sgemm`` (and the LAPACK routines MLX imports) ahead of the bundled
 ones in the global symbol scope, so MLX binds to it; no ``LD_PRELOAD`` or re-exec is needed.
 
@@ -120,7 +120,7 @@ def _torch_hidden():
 def _mlx_lm_models_only() -> None:
     """Register the ``mlx_lm`` package without running its ``__init__``, which imports mlx-lm's
     converter, generator and tokenizer loader and through them transformers: 3.6 s of a 7 s MLX start
-    on the H200 image (``benchmarks/results/h200-20261204d/imports``), where the engine needs only
+    on the H200 image (2026-12-04), where the engine needs only
     ``mlx_lm.models``. The ``__init__`` runs, torch hidden, on the first use of a name it defines (a
     module ``__getattr__``), so ``mlx_lm.load`` and ``from mlx_lm import generate`` still work
     anywhere in the process."""

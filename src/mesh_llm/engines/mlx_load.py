@@ -197,7 +197,7 @@ def cuda_settings() -> str | None:
 
     - Attention through MLX's own kernels, not cuDNN's (MLX_CUDA_USE_CUDNN_SDPA=0): mlx 0.32.4 builds
       a cuDNN graph for each new shape, and a decode step's key length is new every step. Measured on
-      the H200 (benchmarks/gpu_mlx_warm.py, Qwen2.5-0.5B shape, float16): one stream decodes at
+      the H200 (2026-12-04, Qwen2.5-0.5B shape, float16): one stream decodes at
       187-233 tok/s against 114-123, and a new prompt length's TTFT is 41-93 ms against 120-445.
     - Compiled kernels kept in mesh-llm's cache rather than the temp folder, which a reboot empties
       (the first start after one would compile them all again: 9 s of load and 2.3 s of first request

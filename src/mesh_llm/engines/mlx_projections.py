@@ -6,13 +6,12 @@ biased cuBLASLt product more, and a llama or qwen2 layer runs 17 kernels a token
 v as one product (one ``Linear`` over the concatenated weights, then split into views) and gate and
 up as another leaves 14.
 
-On the H200, Qwen2.5-0.5B shape, one stream, alternated in one call
-(``benchmarks/gpu_fused_proj.py``, ``benchmarks/results/h200-host-20261203/machine-d/``):
+On the H200 (2026-12-03), Qwen2.5-0.5B shape, one stream, alternated in one run:
 - kernels a token: 412 → 340; their GPU time 1.91 → 1.49 ms;
 - a step: 5.09 → 3.31 ms and 4.18 → 3.11 ms (197 → 302 and 239 → 321 tok/s);
 - logits bit for bit the same in float16.
-One rotary embedding for q and k together (llama, qwen2: no per-head norm between) came after that
-run: 316 kernels a token, as predicted (7B shape: 564 → 368; ``benchmarks/results/h200-20261204/``).
+With one rotary embedding for q and k together (llama, qwen2: no per-head norm between): 316 kernels
+a token (7B shape: 564 → 368; H200, 2026-12-04).
 
 The weights are concatenated once at load, before they are read, and the separate ones dropped, so
 memory does not grow. The engine does it on a GPU only: a CPU's step is bound by arithmetic, and
@@ -20,12 +19,11 @@ there the fused product rounds differently (float32 logits within 3.5e-6 of thei
 the embedded SmolLM2), so the CPU keeps its results as they were. Only mlx-lm's own llama, qwen2
 and qwen3 ``Attention`` and ``MLP`` are re-stated here (``_MODULES``), with float weights or
 quantized ones of one kind (each output row is quantized on its own, so they stack the same way);
-every other layer is left as it is. ``MESH_LLM_FUSED_PROJECTIONS=0`` keeps them separate.
+every other layer is left as it is.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import mlx.core as mx
@@ -40,8 +38,6 @@ _fused_classes: dict[type, type] = {}
 
 def fuse_projections(model: nn.Module) -> int:
     """Fuse the projections of every layer that takes it; returns how many layers did."""
-    if os.environ.get("MESH_LLM_FUSED_PROJECTIONS", "1") == "0":
-        return 0
     name = type(model).__module__
     module = sys.modules.get(name)
     if module is None or name.rsplit(".", 1)[-1] not in _MODULES:

@@ -3,8 +3,7 @@ they are fast enough, mesh-llm's own where MLX's read the weights once per row o
 
 MLX 0.32's CUDA backend, with groups narrower than a row (every mlx-lm quantization; its Hopper
 tiled kernel needs a group as wide as the input), multiplies quantized weights (read in its source,
-``mlx/backend/cuda/quantized/``, and timed on an H100 by ``benchmarks/gpu_qmv.py``, each call alone:
-``benchmarks/results/h100-20261205/``)
+``mlx/backend/cuda/quantized/``, and timed each call alone on an H100, 2026-12-05)
 - by 1-7 rows with its vector kernel, once per row, so each row reads all the weights again (the
   4-bit 7B's 37,888 x 3,584 gate/up product: 77 / 150 / 295 us for 1 / 2 / 4 rows);
 - by 8 rows and more with its Ampere tiled kernel (16 x 128 tiles), which reads them once but keeps
@@ -24,14 +23,12 @@ and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.nvrtc`), 
 attention is. A call of either costs the host more than one of MLX's own, which is why one row, and
 small weights, stay MLX's. A prompt's chunk of ``DEQUANTIZED_ROWS`` or more goes through the
 dequantized weights and a 16-bit product. :func:`install` routes a model's ``QuantizedLinear`` and
-``QuantizedEmbedding`` layers through :func:`product` on CUDA; ``MESH_LLM_QUANTIZED_DECODE=0``
-leaves them as they are.
+``QuantizedEmbedding`` layers through :func:`product` on CUDA.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 from mlx import nn
@@ -167,7 +164,7 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
         per_warp: int | None = None, unroll: int = UNROLL) -> mx.array:
     """``x @ dequantize(w).T`` for 4- or 8-bit affine weights ``w`` (n, k * bits / 32) and 1-8 rows
     of ``x`` (..., k); returns (..., n) in ``x``'s dtype. ``per_warp`` and ``unroll`` (of the inputs'
-    loop) are for benchmarks/gpu_qmv.py to compare."""
+    loop) override the tuned defaults, for comparing them."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     per_warp = per_warp or rows_per_warp(rows, n)
@@ -308,7 +305,7 @@ def mma_warps(blocks: int, k: int) -> int:
     down product (224 blocks) read its weights at 0.7 TB/s against 1.7-2.5 for the wide products:
     a warp or two a multiprocessor, each waiting on memory. With this rule, 1.6 TB/s; the 7B's q/k/v
     and o products (288 and 224 blocks) take 16 too, its gate/up 8, its output layer 4 (the fastest
-    of 4, 8 and 16 for each on an H100: benchmarks/results/h100-20261205/warps/)."""
+    of 4, 8 and 16 for each on an H100, 2026-12-05)."""
     warps = _WARPS
     while warps < 16 and blocks * warps < _MMA_IN_FLIGHT and k // 64 >= 4 * warps:
         warps *= 2
@@ -319,7 +316,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size
         warps: int | None = None) -> mx.array:
     """``x @ dequantize(w).T`` on tensor cores for 4-bit weights ``w`` (n, k / 8), 1-16 rows of a
     float16 or bfloat16 ``x`` (..., k), k a multiple of 64; returns (..., n) in ``x``'s dtype.
-    ``warps`` (a block's) is for benchmarks/gpu_qmv.py to compare."""
+    ``warps`` (a block's) overrides :func:`mma_warps`, for comparing them."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
     tiles = 2 if n >= 16 * 2 * 256 else 1  # 256 blocks or more either way
@@ -356,25 +353,25 @@ def tensor_cores() -> bool:
 _TILED_ROWS = 8  # from this many rows MLX uses its tiled kernel (qmm_sm80), which reads the weights once
 MMA_ROWS = range(1, 17)  # rows routed to :func:`qmm` where the layer fits it (two tiles of 8)
 # A call of our kernels costs the host more than one of MLX's, and where a step waits on the host that
-# outweighs their faster products: on an H100, routing the 0.5B shape's 8 and 16 rows through qmm
+# outweighs their faster products: on an H100 (2026-12-05), routing the 0.5B shape's 8 and 16 rows through qmm
 # made its steps 8.98-10.73 ms against 4.86-7.53, though the steps took 2.90-3.48 ms of GPU
 # against 4.50-4.71. So they take only weights large enough: 2-7 rows where (rows - 1) x the weights'
 # bytes reach KERNEL_BYTES (MLX reads them once per row there), and qmm only weights of MMA_BYTES or
 # more, which are the 7B's products (its q/k/v and gate/up fused, o, down, output layer) and of the
-# 0.5B's only its output layer (benchmarks/results/h100-20261205/qmm/).
+# 0.5B's only its output layer.
 KERNEL_BYTES = 16 * 2**20
 MMA_BYTES = 6 * 2**20
 # One row: MLX's vector kernel reads the 7B's weights at ~970 GB/s, and qmm took its step's GPU time
 # from 5.6 to 4.6 ms, but added 1.6 ms of the host's on that H100, so one row is MLX's unless a
-# weight reaches this size (never, until measured on a quicker host: benchmarks/gpu_qmv.py qmm-1-big).
+# weight reaches this size (never, until measured on a quicker host).
 ONE_ROW_BYTES = 1 << 62
 # A prompt's chunk: MLX's tiled kernel made a 4-bit 7B's 640-token prompt take twice the 16-bit one's
 # time (106 against 46 ms to the first token, H100), so from this many rows the weights are
 # dequantized and multiplied as 16-bit ones are: a 7B layer's products at 64 / 256 / 640 rows took
 # 0.69 / 0.97 / 2.51 ms through MLX's kernels, 0.68 / 0.71 / 0.91 so, and the 4-bit TTFT came to
-# 1.3x the 16-bit one (benchmarks/results/h100-20261205/prompt-rows/, conc-dequantized/). Each
+# 1.3x the 16-bit one. Each
 # layer's are made only once its input is ready, so a prompt holds about one layer's at a time
-# (tests/engines/test_mlx_quantized.py; that order came after the H100's runs).
+# (tests/engines/test_mlx_quantized.py).
 DEQUANTIZED_ROWS = 256
 
 
@@ -421,8 +418,8 @@ _ROUTES = {nn.QuantizedLinear: DecodeQuantizedLinear, nn.QuantizedEmbedding: Dec
 
 def install(model: nn.Module) -> int:
     """Route the products of ``model``'s quantized layers through :func:`product` on CUDA (with an
-    NVRTC to build our kernels), unless ``MESH_LLM_QUANTIZED_DECODE=0``; returns how many layers."""
-    if os.environ.get("MESH_LLM_QUANTIZED_DECODE", "1") == "0" or not on_cuda() or not nvrtc.available():
+    NVRTC to build our kernels); returns how many layers."""
+    if not on_cuda() or not nvrtc.available():
         return 0
     return route(model, True)
 

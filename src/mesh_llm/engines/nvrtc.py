@@ -1,8 +1,8 @@
 """CUDA kernels compiled once per GPU architecture with NVRTC and kept on disk as device code.
 
 MLX 0.32's ``mx.fast.cuda_kernel`` compiles a kernel afresh in every process, together with MLX's
-device headers: 1.2-2.4 s for mesh-llm's decode attention on the H200, most of a restarted server's
-warm-up (benchmarks/results/h200-20261204c/). A kernel written against no header compiles in a small
+device headers: 1.2-2.4 s for mesh-llm's decode attention (H200, 2026-12-04), most of a restarted
+server's warm-up. A kernel written against no header compiles in a small
 part of that, and its cubin, kept beside MLX's own compiled kernels (``MLX_PTX_CACHE_DIR``), loads
 through ``mx.fast.precompiled_cuda_kernel`` with no compiler at all on the next start.
 

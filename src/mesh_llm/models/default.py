@@ -4,7 +4,7 @@ Each engine serves a form made from that GGUF once, on first use, in mesh-llm's 
 `mesh-llm serve` works with no download at all. MLX needs a safetensors folder. llama.cpp serves a
 Q8_0 copy: on a CPU it has no fast prompt kernel for Q4_1 (llamafile's sgemm and ggml's repacked
 kernels cover Q8_0, Q4_0, ..., not Q4_1), so the copy reads prompts 2.4x as fast, with the same
-answers (README, "Engines and routing"). `--deterministic` serves the Q4_1 file as it is: its
+answers (docs/engines.md). `--deterministic` serves the Q4_1 file as it is: its
 bit-exact batching needs weights that one kernel multiplies for one row and for many, as Q4_1's does.
 """
 

@@ -1,6 +1,6 @@
 """Constrained decoding: JSON schemas and Lark grammars turned into per-sequence ``Constraint`` objects.
 
-Built on llguidance (``benchmarks/constrain.py`` measured it against outlines-core and xgrammar): it
+Built on llguidance (measured against outlines-core and xgrammar: docs/performance.md): it
 has no dependencies, compiles a schema in about a millisecond (no per-schema index over the
 vocabulary), computes a mask in tens of microseconds on a 152k vocabulary, and its Lark grammars
 embed JSON schemas (``%json {...}``) and special tokens (``<[id]>``), which tool-call syntaxes need.

@@ -13,10 +13,8 @@ Results flow back as :class:`Chunk` objects through each request's ``deliver`` c
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import itertools
 import logging
-import os
 import queue
 import sys
 import threading
@@ -44,13 +42,10 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
 IDLE_PREFILL_STEPS = 4  # with nothing decoding, a step reads this many steps' worth of prompts
 SLOW_STEP_S = 1.0  # a step longer than this, with streams decoding, is logged: they stood still that long
-# MESH_LLM_STALL_DUMP=SECONDS: a step longer than that prints every thread's Python stack to stderr
-# (faulthandler), to find what a stall waits on
-STALL_DUMP_S = float(os.environ.get("MESH_LLM_STALL_DUMP") or 0)
 # After a step that sent a request's first or last chunk, the worker waits (the GIL released) up to
 # this long for the consumer to take it. Otherwise the event loop, woken to send it, waits for the
 # GIL while the worker builds the next step, up to Python's switch interval (5 ms) and often longer:
-# on an H100 the server added 4.6-7.4 ms to the MLX engine's time to first token.
+# on an H100 (2026-12-06) the server added 4.6-7.4 ms to the MLX engine's time to first token.
 HANDOVER_S = 0.005
 # ... only after a step of at most this many tokens: the event loop takes a step's chunks in order, so
 # behind many streams' it would keep the worker waiting (while a GPU-bound step would hide it, a
@@ -59,8 +54,8 @@ HANDOVER_TOKENS = 8
 # With nothing running, the worker holds its first step up to this long while other requests for the
 # model are still being read and tokenized (``ModelWorker.arriving``), so that prompts sent together
 # are read in one pass instead of the first alone and the rest behind it. A lone request waits for
-# nobody. MESH_LLM_GATHER_MS sets it (0: never hold).
-GATHER_S = float(os.environ.get("MESH_LLM_GATHER_MS") or 20) / 1000
+# nobody.
+GATHER_S = 0.020
 
 
 def prefill_budget(info: EngineInfo, configured: int | None = None) -> int:
@@ -406,8 +401,6 @@ class ModelWorker:
         # wait for it); with none, newcomers' prompts go in larger steps.
         budget = self._prefill_budget if decoding else IDLE_PREFILL_STEPS * self._prefill_budget
         started = time.perf_counter()
-        if STALL_DUMP_S:
-            faulthandler.dump_traceback_later(STALL_DUMP_S)
         try:
             outputs = self._engine.step(budget)
         except Exception as exc:  # the engine dropped every sequence (base.Engine.step)
@@ -416,9 +409,6 @@ class ModelWorker:
             for s in failed.values():
                 self._send(s.job, Chunk(finish_reason="error", error=f"generation failed: {exc}"))
             return
-        finally:
-            if STALL_DUMP_S:
-                faulthandler.cancel_dump_traceback_later()
         now = time.perf_counter()
         slow = now - started > SLOW_STEP_S
         if slow or log.isEnabledFor(logging.DEBUG):
