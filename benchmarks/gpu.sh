@@ -80,7 +80,9 @@ setup() {
     [ -f "$models/$shape.gguf" ] || python -m mesh_llm.bench.synth "$shape" "$models" \
       --vocab "$src/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"
   done
-  python -c "import mesh_llm, mlx.core as mx, llama_cpp; print('MLX on', mx.default_device(), '; llama.cpp', llama_cpp.__version__)"
+  # one engine a process: a CUDA llama.cpp that carries its own libstdc++ and MLX cannot share one
+  python -c "import mlx.core as mx; print('MLX on', mx.default_device())"
+  python -c "import mesh_llm, llama_cpp.llama_cpp as ll; print('llama.cpp GPU offload:', ll.llama_supports_gpu_offload())"
   touch "$work/.ready"
 }
 
