@@ -1,4 +1,5 @@
 # The two commands: `make serve` and `make test`. Both set up .venv on first use.
+# `make check` is the developer's inner loop: the tests not marked slow (unit and in-process ones).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -17,7 +18,7 @@ WHEELS := $(HOME)/.cache/mesh-llm/wheels/$(shell echo "$(LLAMA_CPP_VERSION) $(LL
 # qwen2, llama-bpe, llama-spm, ... run against them.
 VOCABS := $(HOME)/.cache/mesh-llm/vocabs/$(LLAMA_CPP_VERSION)
 
-.PHONY: install serve test clean
+.PHONY: install serve test check clean
 
 install: $(STAMP)
 
@@ -44,6 +45,9 @@ $(VOCABS)/.done:
 
 test: install $(VOCABS)/.done
 	MESH_LLM_GGUF_VOCABS=$(VOCABS) $(PY) -m pytest $(PYTEST_ARGS)
+
+check: install $(VOCABS)/.done
+	MESH_LLM_GGUF_VOCABS=$(VOCABS) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -143,6 +143,7 @@ def serve(
     """Serve models on an OpenAI-compatible API (http://HOST:PORT/v1)."""
     if engine == "mlx" and native.mlx_load_problem():  # every model goes to MLX: start again before
         native.relaunch_without_llama()  # serve's imports (with the CLI's, 0.38-0.42 s on an H100)
+    from mesh_llm.engines.base import EngineOptions
     from mesh_llm.serve import Relaunch, ServeConfig, StartupError
     from mesh_llm.serve import serve as run
 
@@ -180,11 +181,11 @@ def serve(
     if mesh or mesh_token or join or client or discover:
         mesh_config = mesh_settings(mesh, mesh_token, join, client, discover, node_name, advertise_url,
                                     first_byte_timeout, tls_ca, stream_idle_timeout)
+    options = EngineOptions(ctx_size=ctx_size, quantize=quantize, threads=threads, prefill_step=prefill_step,
+                            cache_bytes=cache_size, kv_bytes=kv_bytes, cache_entries=cache_entries,
+                            max_batch=max_batch, warm_up=warm_up, deterministic=deterministic)
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
-                         api_key=api_key or None, ctx_size=ctx_size, quantize=quantize, threads=threads,
-                         max_queue=max_queue, max_batch=max_batch, prefill_step=prefill_step,
-                         cache_bytes=cache_size, kv_bytes=kv_bytes,
-                         cache_entries=cache_entries, warm_up=warm_up, deterministic=deterministic,
+                         api_key=api_key or None, options=options, max_queue=max_queue,
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)

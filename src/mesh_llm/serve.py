@@ -36,18 +36,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 9337
     api_key: str | None = None
-    ctx_size: int | None = None
-    quantize: int | None = None
-    threads: int | None = None
+    options: EngineOptions = field(default_factory=EngineOptions)  # how every model is loaded
     max_queue: int = 64
-    max_batch: int | None = None  # sequences decoded together; None: the engine's choice
-    prefill_step: int | None = None  # prompt tokens a sequence reads per pass; None: the engine's
     max_body_bytes: int | None = None  # largest request body; None: the API's (8 MiB)
-    cache_bytes: int | None = None  # prompt cache per model; None: from free memory; 0: off
-    kv_bytes: int | None = None  # the running sequences' KV per model; None: the engine's share of free
-    cache_entries: int = 64
-    warm_up: bool | None = None  # run serving's shapes once before ready; None: the engine's choice
-    deterministic: bool = False  # llama engine on a CPU: bit-for-bit results in any batch (slower)
     tls_cert: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate and key
     tls_key: str | None = None
     mesh: MeshConfig | None = None  # take part in a mesh (mesh/); None: a standalone server
@@ -80,7 +71,7 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
     for i, (spec, engine, fmt, why) in enumerate(chosen):
         try:
             cls = engine_class(engine)  # imported now: a broken install stops the start here, in one line
-            path = model_path(spec, fmt, progress, engine, config.deterministic)  # the default's forms: once
+            path = model_path(spec, fmt, progress, engine, config.options.deterministic)  # the default's forms: once
         except (ModelNotFound, BadModel, EngineError) as exc:
             raise StartupError(str(exc)) from None
         model_id = config.aliases[i] if i < len(config.aliases) else spec.name
@@ -133,12 +124,7 @@ def bind(host: str, port: int) -> socket.socket:
 def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
     from mesh_llm.runtime.worker import ModelWorker
 
-    options = EngineOptions(ctx_size=config.ctx_size, quantize=config.quantize, threads=config.threads,
-                            cache_bytes=config.cache_bytes, cache_entries=config.cache_entries,
-                            kv_bytes=config.kv_bytes,
-                            max_batch=config.max_batch, warm_up=config.warm_up,
-                            deterministic=config.deterministic,
-                            prefill_step=config.prefill_step)
+    options = config.options
     workers = []
     for plan in plans:
         progress = progress_factory(plan) if progress_factory else None

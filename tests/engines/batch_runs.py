@@ -4,6 +4,7 @@ test_mlx_batch.py (this CPU) and test_mlx_gpu.py (the GPU machine)."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,11 +31,23 @@ class Case:
     start: int = 0
 
 
+_solo_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> {case: steps}
+
+
 def run_alone(engine, case: Case) -> list[Step]:
-    steps = engine.generate(case.prompt, case.params(), case.tokens)
+    """The case's sequence alone. A run without a constraint is computed once per engine and case:
+    tests compare many batches with the same solo runs, which cost most of their time on a CPU."""
+    params = case.params()
+    runs = _solo_runs.setdefault(engine, {})
+    key = (tuple(case.prompt), params, case.tokens) if params.constraint is None else None
+    if key in runs:
+        return list(runs[key])
+    steps = engine.generate(case.prompt, params, case.tokens)
     out = list(itertools.islice(steps, case.tokens))
     steps.close()
-    return out
+    if key is not None:
+        runs[key] = out
+    return list(out)
 
 
 def run_batched(engine, cases: list[Case], budget: int, leave: dict[int, int] | None = None,
@@ -111,6 +124,8 @@ class AllowOnly:
     def mask(self) -> np.ndarray:
         return self._mask
 
+    failed = None  # it never gives up
+
     def advance(self, token: int) -> None:
         self.seen.append(token)
 
@@ -126,6 +141,8 @@ class Forced:
         mask = np.zeros(self.vocab, dtype=bool)
         mask[self.tokens[len(self.seen) % len(self.tokens)]] = True
         return mask
+
+    failed = None  # it never gives up
 
     def advance(self, token: int) -> None:
         self.seen.append(token)

@@ -389,6 +389,8 @@ class AllowOnly:
     def mask(self) -> np.ndarray | None:
         return self.allowed
 
+    failed = None  # it never gives up
+
     def advance(self, token: int) -> None:
         self.seen.append(token)
 

@@ -349,7 +349,7 @@ def test_sequences_that_outgrow_the_memory_are_preempted_and_answer_as_alone(smo
     tokens = [s.token for s in steps[2]]
     assert tokens == [s.token for s in run_alone(smollm, cases[2])]  # a fresh constraint of its own
     assert set(tokens) <= set(digits) and sent[2].constraint.seen == tokens
-    assert not engine._seqs and not engine._reading  # noqa: SLF001 - every sequence left
+    assert not engine._seqs and not len(engine.scheduler)  # noqa: SLF001 - every sequence left
     engine.close()
 
 
@@ -669,7 +669,7 @@ def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_a
     for i, case in enumerate(cases):
         if i not in leaving:
             compare(run_alone(smollm, case), batched[i], TOLERANCE)
-    assert not engine._seqs and not engine._reading  # noqa: SLF001 - every row left
+    assert not engine._seqs and not len(engine.scheduler)  # noqa: SLF001 - every row left
     engine.close()
 
 
@@ -694,7 +694,7 @@ def test_random_arrivals_in_short_memory_are_preempted_and_answer_as_alone(smoll
     for i, case in enumerate(cases):
         if i not in leaving:
             compare(run_alone(smollm, case), batched[i], TOLERANCE)
-    assert not engine._seqs and not engine._reading  # noqa: SLF001 - every sequence left
+    assert not engine._seqs and not len(engine.scheduler)  # noqa: SLF001 - every sequence left
     engine.close()
 
 

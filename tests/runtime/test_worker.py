@@ -1,5 +1,5 @@
-"""The scheduler on a real engine (llama.cpp on the embedded model): admission, waiting, errors that
-end one request and never the worker, and a shutdown that answers everyone."""
+"""The worker on a scripted engine (tests/fake_engine.py): admission from its queue, waiting, errors
+that end one request and never the worker, hand-overs, and a shutdown that answers everyone."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from fake_engine import FakeEngine
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 from mesh_llm.runtime.worker import (
@@ -46,11 +47,9 @@ class Collector:
         return "".join(c.text for c in self.chunks)
 
 
-def make_worker(default_gguf, max_batch: int = 4, max_queue: int = 8) -> ModelWorker:
-    from mesh_llm.engines.llama import LlamaEngine
-
-    options = EngineOptions(ctx_size=1024, max_batch=max_batch, cache_bytes=0)
-    worker = ModelWorker("test", lambda: LlamaEngine.load(default_gguf, options), max_queue=max_queue)
+def make_worker(max_batch: int = 4, max_queue: int = 8, step_s: float = 0.001, **engine) -> ModelWorker:
+    worker = ModelWorker("test", lambda: FakeEngine(max_batch=max_batch, step_s=step_s, **engine),
+                         max_queue=max_queue)
     worker.start()
     assert worker.wait_ready(120) and worker.ready, worker.load_error
     return worker
@@ -62,14 +61,14 @@ def request(worker: ModelWorker, text: str, max_tokens: int = 8, **kw) -> Genera
 
 
 @pytest.fixture(scope="module")
-def worker(default_gguf):
-    w = make_worker(default_gguf)
+def worker():
+    w = make_worker()
     yield w
     w.stop()
 
 
-def test_requests_beyond_the_batch_wait_for_a_slot_and_all_finish(default_gguf):
-    w = make_worker(default_gguf, max_batch=1)
+def test_requests_beyond_the_batch_wait_for_a_slot_and_all_finish():
+    w = make_worker(max_batch=1)
     try:
         collectors = [Collector() for _ in range(3)]
         for i, c in enumerate(collectors):
@@ -107,7 +106,7 @@ def test_a_request_the_engine_refuses_is_rejected_and_the_worker_goes_on(worker)
 
 def test_cancel_frees_the_slot_and_sends_nothing_more(worker):
     c = Collector()
-    cancel = worker.submit(request(worker, "Count to a thousand:", max_tokens=500, ignore_eos=True), c)
+    cancel = worker.submit(request(worker, "Count to a thousand:", max_tokens=3000, ignore_eos=True), c)
     deadline = time.monotonic() + 60
     while not c.text and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -117,11 +116,11 @@ def test_cancel_frees_the_slot_and_sends_nothing_more(worker):
         time.sleep(0.02)
     assert worker.load()["active"] == 0
     assert not c.done.is_set()  # a cancelled request gets no final chunk: nobody is listening
-    assert len(c.chunks) < 500
+    assert len(c.chunks) < 3000
 
 
-def test_a_full_queue_refuses_at_once(default_gguf):
-    w = make_worker(default_gguf, max_batch=1, max_queue=1)
+def test_a_full_queue_refuses_at_once():
+    w = make_worker(max_batch=1, max_queue=1, step_s=0.01)
     try:
         running, waiting = Collector(), Collector()
         w.submit(request(w, "Once upon a time", max_tokens=200, ignore_eos=True), running)
@@ -226,26 +225,23 @@ def test_the_hold_is_bounded_and_a_lone_request_is_not_held(worker, caplog, monk
     assert len(_steps(caplog)) == 4, _steps(caplog)  # two steps each, none held for the lone
 
 
-def test_the_engine_is_loaded_warmed_up_and_stepped_on_one_thread(default_gguf):
+def test_the_engine_is_loaded_warmed_up_and_stepped_on_one_thread():
     """The worker's own thread loads the engine (its warm-up included) and runs every step: MLX's
     CUDA backend keeps its command encoders (each with its CUDA graph cache) and cuBLAS handles per
     thread (``thread_local`` in mlx 0.32), so a warm-up on another thread would warm nothing that
     serving uses."""
-    from mesh_llm.engines.llama import LlamaEngine
-
     seen: dict[str, set[int]] = {"load": set(), "step": set()}
 
     def load():
         seen["load"].add(threading.get_ident())
-        engine = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=512, max_batch=2, cache_bytes=0,
-                                                              warm_up=True))
-        step = engine.step
+        engine = FakeEngine(max_batch=2)
+        run = engine.run
 
-        def recorded(budget):  # as _slowed above: the engine's own step, wrapped in place
+        def recorded(plan):  # the engine's own step, wrapped in place
             seen["step"].add(threading.get_ident())
-            return step(budget)
+            return run(plan)
 
-        engine.step = recorded
+        engine.run = recorded
         return engine
 
     w = ModelWorker("one-thread", load)
@@ -261,14 +257,11 @@ def test_the_engine_is_loaded_warmed_up_and_stepped_on_one_thread(default_gguf):
     assert threading.get_ident() not in seen["load"]
 
 
-def test_the_prompt_budget_is_the_engine_s_own_prefill_step(default_gguf, caplog):
+def test_the_prompt_budget_is_the_engine_s_own_prefill_step(caplog):
     """Without a budget of its own the worker reads as many prompt tokens a step as the engine's
     chunk (``EngineInfo.prefill_step``, which an engine may choose: 1,024 tokens for MLX on a GPU),
-    four chunks where nothing decodes yet; an explicit ``--prefill-step`` reaches both."""
-    from mesh_llm.engines.llama import LlamaEngine
-
-    options = EngineOptions(ctx_size=1024, max_batch=2, cache_bytes=0, prefill_step=48)
-    w = ModelWorker("chunks", lambda: LlamaEngine.load(default_gguf, options))
+    four chunks where nothing decodes yet."""
+    w = ModelWorker("chunks", lambda: FakeEngine(max_batch=2, prefill_step=48))
     w.start()
     try:
         assert w.wait_ready(120) and w.ready, w.load_error

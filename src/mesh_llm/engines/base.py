@@ -1,12 +1,15 @@
 """The one narrow interface every engine implements, in token ids and arrays, never HTTP types.
 
-An engine owns a loaded model and its tokenizer and decodes many sequences together (continuous
-batching): :meth:`Engine.add` queues a sequence, :meth:`Engine.step` runs one forward pass over every
-sequence it holds (a bounded chunk of prompt for those still reading it, one token for each decoding
-one) and returns the tokens it sampled, and :meth:`Engine.remove` ends a sequence, offering its state
-to the prompt cache. Everything request-shaped (chat templates, stop strings, max_tokens, EOS,
-detokenizing, admission, queueing) lives above it in ``mesh_llm.runtime``, so a new engine is one new
-file that subclasses :class:`Engine` and registers itself in ``mesh_llm.engines``.
+An engine is a *model runner*: it owns a loaded model and its tokenizer, holds the state of many
+sequences, and executes the steps that ``mesh_llm.runtime.scheduler`` plans for them (which sequences
+decode, which prompt chunks are read, who waits, who is preempted). :class:`Engine` puts the two
+together behind the calls the worker makes: :meth:`Engine.add` admits a sequence, :meth:`Engine.step`
+plans and runs one forward pass over every sequence held and returns the tokens sampled, and
+:meth:`Engine.remove` ends a sequence, offering its state to the prompt cache. Everything
+request-shaped (chat templates, stop strings, max_tokens, EOS, detokenizing, queueing) lives above it
+in ``mesh_llm.runtime``, so a new engine (a third library, a pipeline stage) is one new package that
+subclasses :class:`Engine`, implements its runner methods, and registers itself in
+``mesh_llm.engines``.
 
 Engines are not thread-safe: the runtime creates, uses and closes each one on a single worker thread
 (MLX arrays and streams must stay on the thread that made them). Tokenizers are the exception.
@@ -16,12 +19,16 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+
+from mesh_llm.runtime.scheduler import NoCapacity, Plan, Scheduler
+
+__all__ = ["NoCapacity", "Plan"]  # the scheduler's, which engines raise and run
 
 
 class EngineError(Exception):
@@ -30,12 +37,6 @@ class EngineError(Exception):
 
 class EngineUnavailable(EngineError):
     """The engine's optional dependency is not installed; the message names the pip extra to install."""
-
-
-class NoCapacity(Exception):
-    """:meth:`Engine.add` cannot take the sequence now (every slot or the memory for its tokens is in
-    use); the runtime keeps it waiting and tries again once a sequence has been removed. A sequence
-    that would not fit even alone is an :class:`EngineError` instead."""
 
 
 # On a GPU, prompt chunks (``EngineInfo.prefill_step`` tokens each) one step reads while other
@@ -84,8 +85,10 @@ def fit_context(trained: int, needs: Callable[[int], int], budget: int) -> int:
 class Constraint(Protocol):
     """Limits which tokens one sequence may sample (a JSON schema, a tool call's grammar). The engine
     asks for the mask before sampling each of the sequence's tokens and reports the token it chose.
-    One may also say, as ``failed``, why it gave up and allowed only an end of sequence (a grammar
-    past its resource limits): the runtime then answers an error, not a finished reply."""
+    ``failed`` says why it gave up and allowed only an end of sequence (a grammar past its resource
+    limits; None while it holds): the runtime then answers an error, not a finished reply."""
+
+    failed: str | None
 
     def mask(self) -> np.ndarray | None:
         """Allowed next tokens: a bool array over the tokenizer's vocabulary, or None for any token."""
@@ -209,10 +212,21 @@ def warm_up_before_ready(engine, options: EngineOptions, gpu: bool) -> float | N
 
 class Engine(abc.ABC):
     """A loaded model serving up to ``max_batch`` sequences at once. Subclasses set ``name`` and
-    ``formats``, and implement the abstract methods."""
+    ``formats``, implement the model's methods (``load``, ``tokenizer``, ``info``, ``score``) and the
+    runner's (``check`` to ``readmit``), and state their facts for the scheduler."""
 
     name: ClassVar[str]
     formats: ClassVar[frozenset[str]]  # model formats it loads: "safetensors", "gguf"
+
+    # Facts the scheduler plans by (``runtime.scheduler.Runner``): the most tokens one forward pass
+    # holds (None: any), whether a sequence can start from a prefix a live one holds, the shortest
+    # shared prefix worth waiting for, whether sequences must never be preempted (their whole
+    # answers are claimed at admission), and the answer tokens a sequence is given room for ahead.
+    pass_tokens: int | None = None
+    shares_prefixes: bool = False
+    least_shared_wait: int = 1
+    reserves_answers: bool = False
+    answer_headroom: int = 0
 
     @classmethod
     @abc.abstractmethod
@@ -230,38 +244,113 @@ class Engine(abc.ABC):
     @property
     @abc.abstractmethod
     def max_batch(self) -> int:
-        """The most sequences :meth:`step` holds at once (``EngineOptions.max_batch``, or what the
-        device and memory allow)."""
+        """The most sequences held at once (``EngineOptions.max_batch``, or what the device and
+        memory allow)."""
 
-    @abc.abstractmethod
+    # -- the calls the worker makes ----------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self)
+        return self._scheduler
+
+    _scheduler: Scheduler | None = None
+
     def add(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
         """Take sequence ``seq`` (an id unique among those held): check it now, compute nothing yet.
 
         Raises ``ValueError`` or :class:`EngineError` for a request the engine cannot serve (an
         empty or over-long prompt, ids outside the vocabulary, a bad sampling parameter), and
         :class:`NoCapacity` when it could serve it later. ``max_tokens`` is the most tokens the
-        runtime will ask of it (``len(prompt) + max_tokens`` never exceeds the context); an engine
-        may reserve memory for them.
+        runtime will ask of it (``len(prompt) + max_tokens`` never exceeds the context).
         """
+        if seq in self.scheduler:
+            raise ValueError(f"sequence {seq} is already running")
+        self.check(prompt, params, max_tokens)
+        self.scheduler.admit(seq, prompt, max_tokens)
+        self.accept(seq, prompt, params, max_tokens)
+        self.scheduler.add(seq, prompt, max_tokens)
 
-    @abc.abstractmethod
     def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
         """One forward pass over every sequence held: the next chunk of prompt for sequences still
-        reading theirs (at most ``prefill_budget`` prompt tokens in all, each sequence's chunk at
-        most the engine's ``EngineInfo.prefill_step``; some progress whenever one is waiting),
-        one token for each decoding sequence. Returns ``(seq, step)`` for each token sampled, in
-        order, a sequence's first once its prompt is read; a pipelined engine may return two of
-        one sequence (the pass it had in flight, and the one it read at once for a newcomer).
+        reading theirs (at most ``prefill_budget`` prompt tokens in all, some progress whenever one
+        is waiting), one token for each decoding sequence. Returns ``(seq, step)`` for each token
+        sampled, in order, a sequence's first once its prompt is read; a pipelined engine may return
+        two of one sequence (the pass it had in flight, and the one it read at once for a newcomer).
 
         A sequence goes on decoding until :meth:`remove`; the runtime stops it at its
         ``max_tokens`` at the latest. An engine that fails mid-step raises :class:`EngineError`
         after dropping every sequence it held.
         """
+        try:
+            return self.scheduler.step(prefill_budget)
+        except Exception:
+            self.scheduler.clear()  # the runner dropped them all (``run``'s contract)
+            raise
 
-    @abc.abstractmethod
     def remove(self, seq: int) -> None:
         """End sequence ``seq`` (finished or cancelled, at any point, prompt half read included) and
         free its slot; its state goes to the prompt cache. Unknown ids are ignored."""
+        if seq in self.scheduler:
+            self.release(seq)
+            self.scheduler.remove(seq)
+
+    # -- the runner: what the scheduler asks of an engine (runtime.scheduler.Runner) ---------------
+
+    @abc.abstractmethod
+    def check(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
+        """Raise ``ValueError`` or :class:`EngineError` for a sequence this engine could never serve."""
+
+    @abc.abstractmethod
+    def accept(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
+        """Hold ``seq`` (checked and admitted): its sampler and bookkeeping; no state, no compute."""
+
+    @abc.abstractmethod
+    def release(self, seq: int) -> None:
+        """Let ``seq`` go, whatever it holds; its state is offered to the prompt cache."""
+
+    @abc.abstractmethod
+    def fits(self, claims: Mapping[int, int], new: tuple[Sequence[int], int, int] | None = None) -> bool:
+        """Whether the held sequences at their claims (tokens) fit the KV memory, and ``new`` (one to
+        admit or resume: prompt, claim, max_tokens) beside them; what no running sequence needs may
+        be freed to make them fit."""
+
+    def start_step(self) -> None:  # noqa: B027 - optional hook
+        """A step begins: rearrange what the engine holds before any sequence begins (or nothing)."""
+
+    def claimed(self, claims: Mapping[int, int]) -> None:  # noqa: B027 - optional hook
+        """The running sequences' claims as they stand, for sizing what the engine keeps beside them."""
+
+    def reusable(self, seq: int) -> int:
+        """Prompt tokens :meth:`begin` would reuse now (the prompt cache, a live sequence)."""
+        return 0
+
+    @abc.abstractmethod
+    def begin(self, seq: int) -> int:
+        """Give ``seq`` its state, resumed from the longest prefix it can reuse; returns its length."""
+
+    @abc.abstractmethod
+    def chunk_end(self, start: int, stop: int, budget: int | None) -> int | None:
+        """Where the prompt chunk from ``start`` toward ``stop`` ends, within ``budget`` tokens (None:
+        a whole chunk); None where none fits."""
+
+    @abc.abstractmethod
+    def run(self, plan: Plan) -> list[tuple[int, Step]]:
+        """Execute one planned step in one forward pass; returns the tokens sampled. Raises
+        :class:`EngineError` after dropping every sequence where the pass fails."""
+
+    @abc.abstractmethod
+    def preempt(self, seq: int) -> list[tuple[int, Step]]:
+        """Take back ``seq``'s state (offered to the prompt cache); returns a token it had sampled
+        but not yet returned (a pipelined step in flight)."""
+
+    @abc.abstractmethod
+    def readmit(self, seq: int, prompt: Sequence[int], max_tokens: int) -> None:
+        """After :meth:`preempt`: ``seq`` reads ``prompt`` again, then samples up to ``max_tokens``
+        more, its sampler's state (PRNG key, constraint) where it stood."""
+
+    # -- the rest --------------------------------------------------------------------------------
 
     @abc.abstractmethod
     def score(self, tokens: Sequence[int]) -> np.ndarray:
@@ -304,8 +393,9 @@ class Engine(abc.ABC):
             self._solo = None
 
     def cache_stats(self) -> dict:
-        """The prompt cache's counters (``PromptCache.stats``); {} without one. Any thread may call."""
-        return {}
+        """The prompt cache's counters (``PromptCache.stats``) and ``kv_preemptions``. Any thread
+        may call."""
+        return {"kv_preemptions": self._scheduler.preemptions if self._scheduler is not None else 0}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model's memory."""

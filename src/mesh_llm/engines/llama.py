@@ -43,7 +43,7 @@ from mesh_llm.engines.base import (
     EngineError,
     EngineInfo,
     EngineOptions,
-    NoCapacity,
+    Plan,
     SamplingParams,
     Step,
     fit_context,
@@ -66,6 +66,10 @@ from mesh_llm.machine import physical_cores
 log = logging.getLogger(__name__)
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: a larger sequence id aborts the process
+# Overcommit: a sequence holds cells for what it has read and answered, not for all it may answer;
+# it starts (or resumes after preemption) only where there is room for this many answer tokens for
+# each row decoding beside it, and its own, so that it is not preempted again a few tokens later.
+HEADROOM_PER_ROW = 32
 
 
 def _free_native(tokenizer: LlamaTokenizer, ctx, model) -> None:
@@ -119,8 +123,8 @@ class LlamaEngine(Engine):
         self._retired: deque[Slot] = deque()  # ended while others ran: their cells stay until released
         self._free_ids = deque(range(ll.llama_n_seq_max(ctx)))
         self._streams = streams  # a stream of cells per sequence id, not one pool
-        self._overcommit = overcommit  # sequences hold no cells for their answers ahead: see _make_room
-        self._preemptions = 0
+        self._overcommit = overcommit  # claims hold headroom, not whole answers: the newest may be preempted
+        self._claims: dict[int, int] = {}  # the running sequences' claims, as the scheduler last gave them
         self._pending: set[int] = set()  # streams in a copy llama.cpp makes at the next decode
         self._stream_copies = 0
         self._cells_used = 0  # a snapshot for cache_stats(), which any thread may call
@@ -288,12 +292,24 @@ class LlamaEngine(Engine):
             },
         )
 
-    # -- sequences ------------------------------------------------------------------------------
+    # -- the runner ------------------------------------------------------------------------------
 
-    def add(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
+    @property
+    def pass_tokens(self) -> int:
+        return self._batch.capacity  # one llama_batch, never split
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self._sharing
+
+    @property
+    def reserves_answers(self) -> bool:
+        """Without overcommit (bit-for-bit cells, checkpointed states, a stream per sequence) a
+        sequence is never preempted: its whole answer is promised cells at admission."""
+        return not self._overcommit
+
+    def check(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
         self._check_open()
-        if seq in self._slots:
-            raise ValueError(f"sequence {seq} is already running")
         ids = np.asarray([int(t) for t in prompt], dtype=np.int32)
         n, room = len(ids), self._n_ctx_seq
         if not n:
@@ -305,23 +321,98 @@ class LlamaEngine(Engine):
         if max_tokens < 1 or n + max_tokens > room:
             raise EngineError(f"prompt of {n} tokens and max_tokens {max_tokens} do not fit a {room}-token context")
         _check_params(params, self._n_vocab)
-        if len(self._slots) >= self._max_batch:
-            raise NoCapacity(f"all {self._max_batch} sequences are running")
-        ahead = 0 if self._overcommit else max_tokens  # cells promised now for the answer
-        while True:
-            share = self._best_share(ids)[1]
-            if n + ahead - share <= self._free_cells() or not self._retired:
-                break
-            self._release(self._retired.popleft())  # the oldest ended sequence gives its cells back
-        if n + ahead - share > self._free_cells():
-            raise NoCapacity(f"{n + ahead - share} KV cells needed, {self._free_cells()} free")
+
+    def accept(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
         if not self._free_ids:
             self._release(self._retired.popleft())
-        slot = Slot(seq, self._take_id(), ids, max_tokens, Sampler(params, self._n_vocab, self._fallback))
-        slot.share = share
-        self._slots[seq] = slot
+        ids = np.asarray([int(t) for t in prompt], dtype=np.int32)
+        self._slots[seq] = Slot(seq, self._take_id(), ids, max_tokens, Sampler(params, self._n_vocab, self._fallback))
 
-    def remove(self, seq: int) -> None:
+    def fits(self, claims, new=None) -> bool:
+        """Cells: what every held sequence may still add up to its claim (one not started yet: less
+        what it shares with a live one), and a starting one's headroom (``HEADROOM_PER_ROW``),
+        against the cells no sequence holds; ended sequences give theirs back, oldest first, while
+        that is short. With a stream per sequence, a free stream."""
+        if new is not None and self._overcommit and any(s.started for s in self._holders()):
+            decoding = sum(slot.decoding for slot in self._slots.values())
+            prompt, claim, max_tokens = new
+            new = prompt, claim + min(max_tokens, HEADROOM_PER_ROW * (1 + decoding)), max_tokens
+        if not self._streams:
+            while self._growth(claims, new) > self._free_now() and self._retired:
+                self._release(self._retired.popleft())
+            if self._growth(claims, new) > self._free_now():
+                return False
+        if new is not None and not self._free_ids:
+            if not self._retired:
+                return False
+            self._release(self._retired.popleft())
+        return True
+
+    def claimed(self, claims) -> None:
+        self._claims = dict(claims)
+
+    def reusable(self, seq: int) -> int:
+        slot = self._slots[seq]
+        stored = self._prompts.peek(slot.prompt) if self._caching else 0
+        return max(self._best_share(slot.prompt)[1], stored)
+
+    def start_step(self) -> None:
+        if self._streams:
+            self._compact()
+
+    def begin(self, seq: int) -> int:
+        """Put the longest reusable prefix of the slot's prompt into its cells: shared with a running
+        sequence, or restored from the prompt cache where that holds more and its cells fit."""
+        slot = self._slots[seq]
+        source, share = self._best_share(slot.prompt)
+        stored = self._prompts.peek(slot.prompt) if self._caching else 0
+        claim = self._claims.get(seq, len(slot.prompt))
+        while claim - share > self._room_for(slot) and self._retired:
+            self._release(self._retired.popleft())
+            source, share = self._best_share(slot.prompt)
+        # a restore takes new cells for all of it, written at once: not into a stream still to be copied
+        restore = stored > share and claim <= self._room_for(slot) and slot.id not in self._pending
+        ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
+        if restore:
+            blob, reused = self._prompts.lookup(slot.prompt, share)
+            try:
+                llama_cache.restore(self._ctx, slot.id, blob, reused)
+            except EngineError as e:
+                log.warning("%s: %s; computing the prompt instead", self._path.name, e)
+                reused = 0
+            slot.begin(reused, None)
+            return reused
+        if self._caching:
+            self._prompts.record(share)
+        if share and self._streams:
+            self._copy(source.id, slot.id, share)
+        elif share:
+            ll.llama_memory_seq_cp(self._memory, source.id, slot.id, 0, share)
+        slot.begin(share, source if share and not self._streams else None)
+        return share
+
+    def chunk_end(self, start: int, stop: int, budget: int | None) -> int | None:
+        return next_chunk(start, stop, self._step, self._checkpoints, stop - start if budget is None else budget)
+
+    def preempt(self, seq: int) -> list[tuple[int, Step]]:
+        """Take the sequence's cells: its state is offered to the prompt cache (reading it again is
+        then mostly a restore) and it waits to read what it held."""
+        slot = self._slots[seq]
+        log.info("%s: the KV pool (%d cells) is full: sequence %d preempted after %d tokens, to be read "
+                 "again", self._path.name, self._pool, seq, len(slot.held))
+        if slot.started:
+            self._release(slot)
+        else:
+            self._free_ids.append(slot.id)
+        slot.reset()
+        slot.id = self._take_id()
+        return []
+
+    def readmit(self, seq: int, prompt: Sequence[int], max_tokens: int) -> None:
+        slot = self._slots[seq]
+        slot.prompt, slot.max_tokens = np.asarray(prompt, dtype=np.int32), max_tokens
+
+    def release(self, seq: int) -> None:
         """A sequence that ends while others run keeps its cells (retired): freeing them would let
         the others' next cells land below their earlier ones, and attention, which reads a
         sequence's cells in the pool's order, would round differently. Retired cells are released,
@@ -356,31 +447,32 @@ class LlamaEngine(Engine):
         """Every slot whose cells are in the pool: running ones, then retired ones."""
         return itertools.chain(self._slots.values(), self._retired)
 
-    def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
+    def run(self, plan: Plan) -> list[tuple[int, Step]]:
+        """One ``llama_batch``: a token for each decoding sequence (first), then the planned prompt
+        chunks; each sequence samples from its own logits row. Where llama.cpp finds no room for the
+        chunks, the decode rows go alone and the chunks wait a step."""
         self._check_open()
         batch, work = self._batch, []
         batch.clear()
-        slots = self._slots.values()
         if self._streams:
             self._compact()
-            slots = sorted(slots, key=lambda s: s.id)
-        if self._overcommit:
-            self._make_room(self._decoding())
-        for slot in slots:  # one token for each decoding sequence, first
+        decode = [self._slots[seq] for seq in plan.decode]
+        for slot in sorted(decode, key=lambda s: s.id) if self._streams else decode:
             if slot.decoding:
                 work.append((slot, [slot.next_token], batch.add(slot.id, [slot.next_token], len(slot.held), True)))
         decoding = len(work)
-        self._plan_prefill(work, max(2, prefill_budget), patient=True)
-        if batch.n == 0 and self._slots:  # every newcomer waits on another: the first goes now
-            self._plan_prefill(work, max(2, prefill_budget), patient=False)
-        while batch.n == 0 and self._overcommit and self._preempt_newest():  # the pool is full of
-            self._plan_prefill(work, max(2, prefill_budget), patient=False)  # prompts read in part
+        for chunk in plan.chunks:
+            slot = self._slots[chunk.seq]
+            tokens, last = slot.prompt[chunk.start:chunk.end], chunk.end == len(slot.prompt)
+            row = batch.add(slot.id, tokens, chunk.start, last)
+            work.append((slot, tokens, row if last else None))
         if batch.n == 0:
             return []
         rc = ll.llama_decode(self._ctx, batch.ready())
         if rc == 1 and 0 < decoding < batch.n:  # no room for the prompt chunks: they wait a step
             log.warning("%s: llama.cpp found no KV slot for %d tokens (%d cells free by our count)",
-                        self._path.name, batch.n, self._free_cells())
+                        self._path.name, batch.n, self._free_now())
+            plan.deferred.update(slot.seq for slot, _, _ in work[decoding:])
             del work[decoding:]
             batch.n = decoding
             rc = ll.llama_decode(self._ctx, batch.ready())
@@ -406,70 +498,6 @@ class LlamaEngine(Engine):
             slot.next_token = step.token
             out.append((slot.seq, step))
         return out
-
-    def _plan_prefill(self, work: list, budget: int, patient: bool) -> None:
-        """Add the next prompt chunk of each sequence still reading its prompt, oldest first, while
-        the batch and ``budget`` have room."""
-        batch, blocked = self._batch, False
-        for slot in self._slots.values():
-            room = min(budget, batch.capacity - batch.n)
-            if room < 2:
-                return
-            if self._overcommit and self._free_now() - batch.n < 2:  # the pass's tokens take cells
-                return
-            if slot.next_token is not None or (slot.started and not slot.prefilling):
-                continue
-            if not slot.started and (blocked or not self._start(slot, patient)):
-                # overcommit promises no waiting slot its cells: the first that cannot start keeps
-                # later ones from taking them first, so a long prompt is not starved
-                blocked = self._overcommit
-                continue
-            pos, stop = len(slot.held), len(slot.prompt)
-            if self._overcommit:
-                room = min(room, self._free_now() - batch.n)
-            end = next_chunk(pos, stop, self._step, self._checkpoints, room)
-            if end is None:
-                continue
-            last = end == stop
-            row = batch.add(slot.id, slot.prompt[pos:end], pos, last)
-            work.append((slot, slot.prompt[pos:end], row if last else None))
-            budget -= end - pos
-
-    def _start(self, slot: Slot, patient: bool) -> bool:
-        """Put the longest reusable prefix of the slot's prompt into its cells: shared with a running
-        sequence, or restored from the prompt cache. False: it waits (for a running sequence to read
-        more of a prompt it shares, or for room)."""
-        source, share = self._best_share(slot.prompt)
-        stored = self._prompts.peek(slot.prompt) if self._caching else 0
-        if patient and self._worth_waiting(slot, max(share, stored)):
-            return False
-        total = len(slot.prompt) + (self._headroom(slot) if self._overcommit else slot.max_tokens)
-        free = self._free_cells(exclude=slot) - (self._batch.n if self._overcommit else 0)
-        # a restore takes new cells for all of it, written at once: not into a stream still to be copied
-        restore = stored > share and total <= free and slot.id not in self._pending
-        if not restore and total - share > free:  # admission left room; retired cells hold it
-            if not self._retired:
-                return False
-            self._release(self._retired.popleft())
-            return self._start(slot, patient)
-        ll.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
-        if restore:
-            blob, reused = self._prompts.lookup(slot.prompt, share)
-            try:
-                llama_cache.restore(self._ctx, slot.id, blob, reused)
-            except EngineError as e:
-                log.warning("%s: %s; computing the prompt instead", self._path.name, e)
-                reused = 0
-            slot.begin(reused, None)
-        else:
-            if self._caching:
-                self._prompts.record(share)
-            if share and self._streams:
-                self._copy(source.id, slot.id, share)
-            elif share:
-                ll.llama_memory_seq_cp(self._memory, source.id, slot.id, 0, share)
-            slot.begin(share, source if share and not self._streams else None)
-        return True
 
     def _take_id(self, avoid: set[int] = frozenset()) -> int:
         """A free sequence id: with streams the lowest (not in ``avoid`` where one is), so running
@@ -538,77 +566,28 @@ class LlamaEngine(Engine):
                     best, length = slot, k
         return best, length
 
-    def _worth_waiting(self, slot: Slot, reusable: int) -> bool:
-        """Whether a running sequence is still reading a longer prefix of this one's prompt than it
-        can reuse now: waiting for it to pass shares those cells instead of computing them twice."""
-        if not self._sharing:
-            return False
-        for other in self._slots.values():
-            if other is not slot and other.prefilling:
-                k = min(common_prefix(other.prompt, slot.prompt), len(slot.prompt) - RECOMPUTE)
-                if k > reusable and other.exact < k:
-                    return True
-        return False
+    def _growth(self, claims, new) -> int:
+        """Cells the held sequences (and ``new``) may still add up to their claims."""
+        total = 0
+        for seq, claim in claims.items():
+            slot = self._slots.get(seq)
+            if slot is not None:
+                held = len(slot.held) if slot.started else self._best_share(slot.prompt)[1]
+                total += max(0, claim - held)
+        if new is not None:
+            total += max(0, new[1] - self._best_share(np.asarray(new[0], dtype=np.int32))[1])
+        return total
 
-    def _free_cells(self, exclude: Slot | None = None) -> int:
-        """Cells neither held nor promised: every slot may still grow to its prompt and max_tokens
-        (retired cells count as held). With overcommit only started slots' prompts are promised:
-        a waiting one's would keep every waiting slot from starting once the pool is short (each
-        preempted sequence waited on the others' promises, none held a cell, and nothing ran).
-        With streams: a newcomer's whole stream."""
-        if self._streams:
-            return self._n_ctx_seq
-        if self._overcommit:
-            growth = sum(s.growth(answer=False) for s in self._slots.values() if s is not exclude and s.started)
-        else:
-            growth = sum(s.growth() for s in self._slots.values() if s is not exclude)
-        return self._free_now() - growth
-
-    def _headroom(self, slot: Slot) -> int:
-        """Overcommit: cells a sequence starts only with beyond its prompt, where others hold cells:
-        its first tokens, and 32 steps of every row decoding, so that a start (or a restart after
-        preemption) is not preempted again a few tokens later."""
-        if not any(s.started for s in self._holders() if s is not slot):
-            return 0
-        return min(slot.max_tokens, 32 * (1 + self._decoding()))
-
-    def _decoding(self) -> int:
-        return sum(s.decoding for s in self._slots.values())
+    def _room_for(self, slot: Slot) -> int:
+        """Cells ``slot`` may take now: those no sequence holds, less what the other started
+        sequences may still add up to their claims."""
+        others = sum(max(0, self._claims.get(s.seq, len(s.held)) - len(s.held))
+                     for s in self._slots.values() if s is not slot and s.started)
+        return self._free_now() - others
 
     def _free_now(self) -> int:
         """Cells no sequence holds now (promised ones included)."""
         return self._pool - cells_in_use(self._holders())
-
-    def _make_room(self, cells: int) -> None:
-        """Overcommit: sequences hold cells for what they have read and answered, not for all they
-        may answer (``max_tokens``, the rest of the context when a client gives none), so the pool
-        is sized for typical lengths and a step's decoding rows may find it full. Then ended
-        sequences give their cells back, and if that is not enough the newest running ones are
-        preempted (:meth:`_preempt_newest`), as vLLM does, until ``cells`` are free."""
-        while self._free_now() < cells:
-            if self._retired:
-                self._release(self._retired.popleft())
-            elif not self._preempt_newest():
-                return
-            cells = self._decoding()  # a preempted sequence decodes no more this step
-
-    def _preempt_newest(self) -> bool:
-        """Take the cells of the newest running sequence but the oldest: its state is offered to the
-        prompt cache (reading it again is then mostly a restore) and it waits to read what it held,
-        then samples on where it stopped. False when no other sequence holds cells."""
-        oldest = next(iter(self._slots.values()), None)
-        victim = next((s for s in reversed(self._slots.values())
-                       if s.started and s is not oldest and (s.decoding or s.next_token is None)),
-                      None)
-        if victim is None:
-            return False
-        log.info("%s: the KV pool (%d cells) is full: sequence %d preempted after %d tokens, to be read "
-                 "again", self._path.name, self._pool, victim.seq, len(victim.held))
-        self._release(victim)
-        victim.preempted()
-        victim.id = self._take_id()
-        self._preemptions += 1
-        return True
 
     def _checkpoint(self, slot: Slot) -> None:
         """Store a recurrent or sliding-window sequence's state at the prefill marks (see llama_cache)."""
@@ -683,8 +662,8 @@ class LlamaEngine(Engine):
         return ll.llama_state_get_size(self._ctx)
 
     def cache_stats(self) -> dict:
-        stats = {**self._prompts.stats(), "kv_cells": self._pool, "kv_cells_used": self._cells_used,
-                 "kv_preemptions": self._preemptions}
+        stats = {**self._prompts.stats(), **super().cache_stats(), "kv_cells": self._pool,
+                 "kv_cells_used": self._cells_used}
         return {**stats, "kv_stream_copies": self._stream_copies} if self._streams else stats
 
     def close(self) -> None:

@@ -181,7 +181,6 @@ class Slot:
         self.exact = 0  # how many of them were computed in passes of two rows or more (reusable)
         self.started = False  # its reuse is decided and its cells are in place
         self.cached = 0  # prompt tokens reused, reported with its first token
-        self.share = 0  # prompt tokens it may take from a running sequence's cells when it starts
         self.next_token: int | None = None
         self.produced = 0
         self.runs: list[list] = []  # [Run, end] in position order; the last is its own, growing
@@ -212,21 +211,10 @@ class Slot:
         self.held.extend(int(t) for t in tokens)
         self.runs[-1][1] = len(self.held)
 
-    def growth(self, answer: bool = True) -> int:
-        """The most cells it may still add: the rest of its prompt, and with ``answer`` its tokens
-        to come."""
-        total = len(self.prompt) + (self.max_tokens if answer else 0)
-        return max(0, total - (len(self.held) if self.started else self.share))
-
-    def preempted(self) -> None:
-        """Its cells were taken back (``LlamaEngine._make_room``): it will read again what it held
-        and the token it sampled last, as its prompt, then sample on from there (``produced`` and
-        ``max_tokens`` count from then)."""
-        if self.next_token is not None:
-            self.prompt = np.asarray([*self.held, self.next_token], dtype=np.int32)
-            self.max_tokens -= self.produced
-            self.produced = 0
-        self.held, self.runs, self.exact, self.share = [], [], 0, 0
+    def reset(self) -> None:
+        """Its cells were taken back (preempted): it holds nothing until it begins again, with the
+        prompt the scheduler gives it (``LlamaEngine.readmit``); ``produced`` counts from then."""
+        self.held, self.runs, self.exact, self.produced = [], [], 0, 0
         self.started, self.next_token = False, None
 
     def free(self) -> None:

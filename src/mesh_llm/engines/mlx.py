@@ -1,16 +1,15 @@
 """The native MLX engine: Hugging Face safetensors folders and llama GGUF files through mlx-lm's models,
 decoding many sequences together (continuous batching).
 
-A sequence reads its prompt alone, in chunks of at most ``prefill_step`` tokens that several
-sequences share one step's prefill budget for, into its own layer caches, resumed from the prompt
-cache or from a live sequence's state when one shares a prefix with it. Then it joins the decode
-group (``mlx_batch.DecodeGroup``): one forward pass a step for every decoding row, each sampled by its
-own settings (``mlx_sampling``). Models whose layer caches mlx-lm cannot batch get one group per
-sequence, stepped one after the other. What this file adds around those: admission (``max_batch``
-and the memory the sequences' KV needs, ``mlx_cache.Footprint``) with preemption when the
-sequences outgrow it, the prompt cache
-(``prompt_cache.PromptCache`` holding ``mlx_cache.Frozen`` states) sized around the live sequences,
-and the pipelined read on a GPU.
+A runner for ``runtime.scheduler``: each step it reads the planned prompt chunks (a sequence's own
+layer caches, resumed from the prompt cache or from a live sequence's state when one shares a prefix
+with it; chunks that start at the same position read in one pass on a GPU), then a sequence whose
+prompt is read joins the decode group (``mlx_batch.DecodeGroup``): one forward pass a step for every
+decoding row, each sampled by its own settings (``mlx_sampling``). Models whose layer caches mlx-lm
+cannot batch get one group per sequence, stepped one after the other. The memory the sequences' KV
+needs (``mlx_cache.Footprint``) is what the scheduler admits and preempts by; the prompt cache
+(``prompt_cache.PromptCache`` holding ``mlx_cache.Frozen`` states) keeps what they leave of it. On a
+GPU, step n+1 is queued before step n is read.
 
 Everything MLX runs on the thread that calls :meth:`MLXEngine.load`; this module starts no threads.
 """
@@ -45,7 +44,7 @@ from mesh_llm.engines.base import (
     EngineError,
     EngineInfo,
     EngineOptions,
-    NoCapacity,
+    Plan,
     SamplingParams,
     Step,
     Tokenizer,
@@ -100,8 +99,8 @@ class _Sequence(Row):
     """A sequence from add to remove: its prompt, its own caches while it reads the prompt, then its
     row in a decode group."""
 
-    def __init__(self, seq: int, prompt: list[int], sampler: SequenceSampler, max_tokens: int):
-        self.id, self.prompt, self.sampler, self.max_tokens = seq, prompt, sampler, max_tokens
+    def __init__(self, seq: int, prompt: list[int], sampler: SequenceSampler):
+        self.id, self.prompt, self.sampler = seq, prompt, sampler
         self.tokens = list(prompt)
         self.cache: list[Any] | None = None  # its own layer caches while it reads its prompt
         self.read = 0  # prompt tokens those caches hold
@@ -111,17 +110,6 @@ class _Sequence(Row):
         self.fed = self.reused = 0
         self.first = self.alive = True
         self.group: DecodeGroup | None = None
-        self.parked = False  # preempted: holds nothing, and resumes once its room is free again
-
-    def preempted(self) -> None:
-        """Its state was taken back (``MLXEngine._preempt``): it will read what it held and the
-        tokens it sampled since as its prompt, then sample on from there, its PRNG key and
-        constraint where they stood."""
-        answered = len(self.tokens) - len(self.prompt)
-        self.prompt, self.max_tokens = list(self.tokens), max(1, self.max_tokens - answered)
-        self.cache = self.shared = self.group = None
-        self.read = self.fed = 0
-        self.parked = True
 
     def state_tokens(self) -> int:
         """How many leading tokens its current state holds."""
@@ -166,7 +154,6 @@ class MLXEngine(Engine):
         self._eos = np.zeros(self._vocab, dtype=bool)
         self._eos[[t for t in tokenizer.eos_token_ids if t < self._vocab]] = True
         self._seqs: dict[int, _Sequence] = {}
-        self._reading: list[_Sequence] = []  # reading their prompts, first come first served
         self._groups: list[DecodeGroup] = []
         self._steps = 0
         fresh = make_prompt_cache(model)
@@ -176,14 +163,15 @@ class MLXEngine(Engine):
         self._together = together and plain  # stacked, split again
         # Reading together, a newcomer reuses no prefix under TOGETHER_MIN_REUSE tokens (then it
         # starts at position 0 with the others), or under a chunk where chunks are shorter (one that
-        # waited for a shared chunk, ``_waits``, reuses it).
+        # waited for a shared chunk reuses it); a shared prefix shorter than a chunk costs less read
+        # again than waited for.
         self._least_reuse = min(TOGETHER_MIN_REUSE, max(1, options.prefill_step)) if self._together else 0
+        self.least_shared_wait = max(1, options.prefill_step) if self._together else 1
         self._bucket = bucket if plain and bucket > 0 else 0  # cut back by trimming the caches
         self._checkpoints = needs_checkpoints(fresh)
         self._unbatchable = unbatchable(fresh)
         self._footprint = Footprint.measure(model)
         self._pool = options.kv_bytes or int(free_memory() * MEMORY_SHARE)  # counted twice
-        self._preemptions = 0
         if not options.ctx_size:
             self._context = fit_context(context_length, self._footprint_bytes, self._pool)
             if self._context < context_length:
@@ -196,7 +184,7 @@ class MLXEngine(Engine):
         self._cache_bytes = cache_bytes
         self._prompts = PromptCache(cache_bytes, options.cache_entries)
         self._caching = self._prompts.enabled
-        self._resize_prompt_cache()
+        self.claimed({})
         if self._caching:
             self._details["prompt_cache"] = (f"{cache_bytes / 1e6:.0f} MB, {options.cache_entries} "
                                              f"entries" + (", checkpoints" if self._checkpoints else ""))
@@ -256,13 +244,20 @@ class MLXEngine(Engine):
             details=dict(self._details),
         )
 
-    # -- sequences -------------------------------------------------------------------------------
+    @property
+    def answer_headroom(self) -> int:
+        return ANSWER_HEADROOM
 
-    def add(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
-        prompt = [int(t) for t in prompt]
-        if seq in self._seqs:
-            raise ValueError(f"sequence {seq} is already held")
-        if not prompt:
+    @property
+    def shares_prefixes(self) -> bool:
+        """A newcomer can start from a running sequence's state (plain KV caches, cut back to a
+        prefix), so waiting for one that reads a shared prefix pays."""
+        return self._caching and not self._checkpoints
+
+    # -- the runner ------------------------------------------------------------------------------
+
+    def check(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
+        if not len(prompt):
             raise ValueError("the prompt is empty")
         if len(prompt) >= self._context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self._context}")
@@ -270,30 +265,68 @@ class MLXEngine(Engine):
             raise ValueError(f"prompt token ids must lie in [0, {self._vocab})")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        sequence = _Sequence(seq, prompt, SequenceSampler(params, self._vocab), max_tokens)
+        SequenceSampler.check(params)
         alone = self._footprint_bytes(min(len(prompt) + max_tokens, self._context))
         if alone > self._pool:
             raise EngineError(f"the sequence's KV would need {alone / 1e6:.0f} MB (x2 while rows join "
                               f"or leave) of the {self._pool / 1e6:.0f} MB this engine may use")
-        if len(self._seqs) >= self._max_batch:
-            raise NoCapacity(f"{len(self._seqs)} sequences held, at most {self._max_batch}")
-        if any(s.parked for s in self._seqs.values()):
-            raise NoCapacity("preempted sequences wait to resume first")
-        needed = self._reserved([*self._running(), sequence])
-        if needed > self._pool and self._compact_groups():  # slots rows left hold memory too
-            needed = self._reserved([*self._running(), sequence])
-        if needed > self._pool:
-            raise NoCapacity(f"the sequences' KV would need {needed / 1e6:.0f} MB (x2 while rows join "
-                             f"or leave) of the {self._pool / 1e6:.0f} MB this engine may use")
-        self._seqs[seq] = sequence
-        self._reading.append(sequence)
-        self._resize_prompt_cache()
 
-    def step(self, prefill_budget: int) -> list[tuple[int, Step]]:
+    def accept(self, seq: int, prompt: Sequence[int], params: SamplingParams, max_tokens: int) -> None:
+        self._seqs[seq] = _Sequence(seq, [int(t) for t in prompt], SequenceSampler(params, self._vocab))
+
+    def fits(self, claims, new=None) -> bool:
+        ends = list(claims.values()) + ([new[1]] if new is not None else [])
+        if self._reserved(ends) > self._pool and self._compact_groups():  # slots rows left hold memory
+            return self._reserved(ends) <= self._pool
+        return self._reserved(ends) <= self._pool
+
+    def claimed(self, claims) -> None:
+        """The prompt cache keeps what the running sequences leave of the engine's memory."""
+        if self._caching:
+            room = self._pool - self._reserved(list(claims.values()))
+            self._prompts.resize(max(0, min(self._cache_bytes, room)))
+
+    def reusable(self, seq: int) -> int:
+        s = self._seqs[seq]
+        if not self._caching:
+            return 0
+        live = self._best_live(s)[1]
+        stored = self._prompts.peek(s.prompt)
+        return max(n for n in (live, stored, 0) if n >= self._least_reuse or n == 0)
+
+    def begin(self, seq: int) -> int:
+        """Give the sequence its caches: the longest stored prefix of its prompt, or a copy of a live
+        sequence's state when that shares more (plain KV models only), else fresh ones."""
+        s = self._seqs[seq]
+        cache, reused = None, 0
+        if self._caching:
+            source, live = self._best_live(s)
+            cache, reused = self._prompts.lookup(s.prompt, live, least=self._least_reuse)
+            if cache is None and reused:
+                cache = (source.group.prefix(source, reused) if source.group is not None
+                         else _kv_prefixes(source.cache, reused))
+            if reused:
+                log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(s.prompt))
+        s.cache = cache if cache is not None else make_prompt_cache(self._model)
+        s.read = s.reused = reused
+        s.shared = None
+        return reused
+
+    def chunk_end(self, start: int, stop: int, budget: int | None) -> int | None:
+        """Chunks end at multiples of ``prefill_step`` (unless the budget cannot hold the first
+        one's), so that a prompt is split the same way alone, batched or resumed, and rounds the same
+        (a model that needs checkpoints leaves one there). The last prompt token is fed by the decode
+        step: a chunk that reaches the one before it is the last."""
+        step, target = max(1, self._options.prefill_step), stop - 1
+        end = min((start // step + 1) * step, target)
+        if budget is not None and end - start > budget:
+            end = start + max(1, budget)
+        return stop if end >= target else end
+
+    def run(self, plan: Plan) -> list[tuple[int, Step]]:
         try:
-            out = self._make_room()
-            if self._reading:
-                self._prefill(max(1, prefill_budget))
+            self._read(plan)
+            out: list[tuple[Row, Step]] = []
             launches = [(g, g.launch()) for g in self._groups]
             if self._pipelined:  # read step n, queued at the last call, after queuing step n+1
                 for g, launch in launches:
@@ -317,13 +350,12 @@ class MLXEngine(Engine):
             mx.clear_cache()
         return [(row.id, step) for row, step in out]
 
-    def remove(self, seq: int) -> None:
+    def release(self, seq: int) -> None:
         s = self._seqs.pop(seq, None)
         if s is None:
             return
         s.alive = False
         state, held = self._release(s)
-        self._resize_prompt_cache()
         if state is not None and held > 0:
             self._keep(s.tokens[:held], state)
 
@@ -332,7 +364,6 @@ class MLXEngine(Engine):
         ``DecodeGroup.leave``) or out of the prompts being read; returns its own layer caches, if
         any, and how many leading tokens they hold."""
         if s.group is None:
-            self._reading.remove(s)
             state, held, s.cache = s.cache, s.read, None
             if s.shared is not None and state is not None:  # views would hold the whole batch
                 state = _kv_prefixes(state, held)
@@ -371,7 +402,7 @@ class MLXEngine(Engine):
                     # a width may reach the context (a prompt one short of it, padded), never pass it
                     length = min(offset + size + 1, self._context - 1)
                     self.add(-99, [(5 * i + size) % self._vocab for i in range(length)], greedy, 1)
-                    while self._reading:  # its last chunk's step also queues its first decode step
+                    while self._seqs[-99].group is None:  # its last chunk's step queues its first decode
                         self.step(chunk)
                     self.remove(-99)
             phases = [(f"{len(widths)} padded widths", time.perf_counter())]
@@ -411,7 +442,7 @@ class MLXEngine(Engine):
         return np.concatenate(rows)
 
     def cache_stats(self) -> dict:
-        return {**self._prompts.stats(), "kv_preemptions": self._preemptions}
+        return {**self._prompts.stats(), **super().cache_stats()}
 
     def close(self) -> None:
         self._drop_all()
@@ -421,34 +452,20 @@ class MLXEngine(Engine):
 
     # -- reading prompts -------------------------------------------------------------------------
 
-    def _prefill(self, budget: int) -> None:
-        """One chunk for each sequence reading its prompt, first come first served, while the budget
-        lasts. Chunks end at multiples of ``prefill_step`` (unless the budget cannot hold the first
-        one's), so that a prompt is split the same way alone, batched or resumed, and rounds the
-        same (a model that needs checkpoints leaves one there)."""
-        step, progressed = max(1, self._options.prefill_step), False
+    def _read(self, plan: Plan) -> None:
+        """The planned prompt chunks, each up to the token before its prompt's last (which the decode
+        step feeds): one pass per sequence, or on a GPU one pass for the chunks that start at the same
+        position. Sequences whose prompts are read join the decode group together."""
         pending: list[tuple[_Sequence, int]] = []  # chunks read together after the loop
         ready: list[_Sequence] = []  # prompts read, to join the decode group together
-        for s in list(self._reading):
-            if budget <= 0:
-                break
-            if s.parked or self._waits(s):
-                continue
-            if s.cache is None:
-                self._start(s)
-            target = len(s.prompt) - 1  # the last prompt token is fed by the decode step
-            end = min((s.read // step + 1) * step, target)
-            if end - s.read > budget:
-                if progressed:  # a later, shorter chunk may still fit
-                    continue
-                end = s.read + budget  # the first in line always makes progress
-            if s.read < target:
+        for chunk in plan.chunks:
+            s = self._seqs[chunk.seq]
+            end = min(chunk.end, len(s.prompt) - 1)
+            if s.read < end:
                 if self._together:
                     pending.append((s, end))
-                    budget -= end - s.read
                 else:
-                    budget -= self._read_chunk(s, end)
-                progressed = True
+                    self._read_chunk(s, end)
             self._done_reading(s, ready)
         starts = [s.read for s, _ in pending]  # before any is read
         for start in sorted(set(starts)):
@@ -462,8 +479,7 @@ class MLXEngine(Engine):
         self._join(ready)
 
     def _done_reading(self, s: _Sequence, ready: list[_Sequence]) -> None:
-        if s.read == len(s.prompt) - 1:
-            self._reading.remove(s)
+        if s.group is None and s.read == len(s.prompt) - 1 and s not in ready:
             ready.append(s)
 
     def _read_chunk(self, s: _Sequence, end: int) -> int:
@@ -528,38 +544,6 @@ class MLXEngine(Engine):
             mx.eval(state)
             mx.clear_cache()
 
-    def _waits(self, s: _Sequence) -> bool:
-        """Whether ``s`` should let an earlier sequence read the prefix they share first, then
-        resume from it (one document, many questions), rather than compute it again."""
-        if not self._caching or self._checkpoints:
-            return False
-        for other in self._reading:
-            if other is s:
-                return False
-            if other.parked:  # it reads nothing until room frees
-                continue
-            shared = _common_prefix(other.prompt, s.prompt, min(len(other.prompt), len(s.prompt)) - 1)
-            # reading together, a prefix shorter than a chunk costs less read again than waited for
-            if shared > other.read and (not self._together or shared >= self._options.prefill_step):
-                return True
-        return False
-
-    def _start(self, s: _Sequence) -> None:
-        """Give ``s`` its caches: the longest stored prefix of its prompt, or a copy of a live
-        sequence's state when that shares more (plain KV models only), else fresh ones."""
-        cache, reused = None, 0
-        if self._caching:
-            source, live = self._best_live(s)
-            cache, reused = self._prompts.lookup(s.prompt, live, least=self._least_reuse)
-            if cache is None and reused:
-                cache = (source.group.prefix(source, reused) if source.group is not None
-                         else _kv_prefixes(source.cache, reused))
-            if reused:
-                log.debug("prompt cache: %d of %d prompt tokens reused", reused, len(s.prompt))
-        s.cache = cache if cache is not None else make_prompt_cache(self._model)
-        s.read = s.reused = reused
-        s.shared = None
-
     def _best_live(self, s: _Sequence) -> tuple[_Sequence | None, int]:
         if self._checkpoints:  # recurrent or sliding state cannot be cut back to a shared prefix
             return None, 0
@@ -613,49 +597,15 @@ class MLXEngine(Engine):
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def _reserved(self, seqs: list[_Sequence]) -> int:
-        """KV bytes ``seqs`` need through their next step, twice (a join or leave copies a batch
+    def _reserved(self, ends: list[int]) -> int:
+        """KV bytes sequences holding ``ends`` tokens each need, twice (a join or leave copies a batch
         once): a batch holds every row, and every vacant slot, as long as its longest."""
-        ends = [self._claim(s) for s in seqs]
         if not ends:
             return 0
         if self._unbatchable:
             return sum(self._footprint_bytes(n) for n in ends)
         rows = max(len(ends), sum(len(g.rows) for g in self._groups))  # vacant slots hold KV too
         return rows * self._footprint_bytes(max(ends))
-
-    def _claim(self, s: _Sequence) -> int:
-        """The tokens a sequence is given room for: its prompt and ``ANSWER_HEADROOM`` tokens, or what
-        it holds and its next token, whichever is more, never past where it must end."""
-        start = len(s.prompt) + min(s.max_tokens, ANSWER_HEADROOM)
-        return min(len(s.prompt) + s.max_tokens, self._context, max(start, s.state_tokens() + 2))
-
-    def _running(self) -> list[_Sequence]:
-        return [s for s in self._seqs.values() if not s.parked]
-
-    def _make_room(self) -> list[tuple[Row, Step]]:
-        """Before a step: while the running sequences' KV would pass the engine's memory, vacant
-        slots are cut out, then the newest sequence but the oldest is preempted (as vLLM does); then
-        preempted ones resume, oldest first, where they fit again. The prompt cache keeps what they
-        leave. Returns the steps read early (a pipelined row's token in flight)."""
-        out: list[tuple[Row, Step]] = []
-        running = self._running()
-        reserved = self._reserved(running)
-        if reserved > self._pool and self._compact_groups():
-            reserved = self._reserved(running)
-        while reserved > self._pool and len(running) > 1:
-            out += self._preempt(running.pop())
-            reserved = self._reserved(running)
-        for s in self._reading:
-            if not s.parked:
-                continue
-            more = self._reserved([*running, s])
-            if more > self._pool:
-                break
-            s.parked, reserved = False, more
-            running.append(s)
-        self._resize_prompt_cache(reserved)
-        return out
 
     def _compact_groups(self) -> bool:
         """Cut every vacant slot out of the decode groups; whether there was one."""
@@ -664,25 +614,26 @@ class MLXEngine(Engine):
             g.compact()
         return vacant
 
-    def _preempt(self, s: _Sequence) -> list[tuple[Row, Step]]:
+    def preempt(self, seq: int) -> list[tuple[int, Step]]:
         """Take back a sequence's state (offered to the prompt cache, so that reading it again is
-        mostly a restore); it waits, parked, to read again what it held. Its group's step in flight
-        is read first, so that the token it sampled there is kept."""
+        mostly a restore). Its group's step in flight is read first, so that the token it sampled
+        there is kept."""
+        s = self._seqs[seq]
         out = []
         if s.group is not None and s.group.unread is not None:
             out, s.group.unread = s.group.read(s.group.unread), None
         state, held = self._release(s, vacate=False)
         log.info("the KV memory (%.0f MB) is full: sequence %d preempted after %d tokens, to be read "
                  "again", self._pool / 1e6, s.id, len(s.tokens))
-        tokens = s.tokens[:held]
-        s.preempted()
-        rank = {seq: i for i, seq in enumerate(self._seqs)}
-        self._reading.append(s)
-        self._reading.sort(key=lambda r: rank[r.id])  # first come, first served
-        self._preemptions += 1
         if state is not None and held > 0:
-            self._keep(tokens, state)
-        return out
+            self._keep(s.tokens[:held], state)
+        s.shared = None
+        s.read = s.fed = 0
+        return [(row.id, step) for row, step in out]
+
+    def readmit(self, seq: int, prompt: Sequence[int], max_tokens: int) -> None:
+        s = self._seqs[seq]
+        s.prompt, s.tokens = list(prompt), list(prompt)
 
     def _footprint_bytes(self, tokens: int) -> int:
         """What one sequence of ``tokens`` reserves (twice its KV: a join or leave copies it)."""
@@ -697,13 +648,6 @@ class MLXEngine(Engine):
         typical = min(self._context, TYPICAL_SEQUENCE)
         return max(1, min(cap, self._pool // self._footprint_bytes(typical)))
 
-    def _resize_prompt_cache(self, reserved: int | None = None) -> None:
-        """The prompt cache keeps what the live sequences leave of the engine's memory (``reserved``:
-        what they hold, where the caller has counted it)."""
-        if self._caching:
-            room = self._pool - (self._reserved(self._running()) if reserved is None else reserved)
-            self._prompts.resize(max(0, min(self._cache_bytes, room)))
-
     def _keep(self, tokens: list[int], cache: list[Any]) -> None:
         """Store ``cache``, which holds exactly ``tokens``, for later prompts (it is not used again)."""
         if self._caching:
@@ -713,7 +657,6 @@ class MLXEngine(Engine):
         for s in self._seqs.values():
             s.alive = False
         self._seqs.clear()
-        self._reading.clear()
         self._groups.clear()
 
 

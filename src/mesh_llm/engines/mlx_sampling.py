@@ -35,6 +35,16 @@ class SequenceSampler:
     global seed)."""
 
     def __init__(self, params: SamplingParams, vocab: int):
+        self.check(params)
+        self.params = params
+        self.constraint: Constraint | None = params.constraint
+        self.top_n = min(params.logprobs or 0, vocab)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self.key = mx.random.key(seed % 2**64)  # any int, negative or huge, maps to a uint64
+
+    @staticmethod
+    def check(params: SamplingParams) -> None:
+        """Raise ``ValueError`` for settings no sequence can sample by."""
         if params.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 <= params.top_p <= 1:
@@ -47,11 +57,6 @@ class SequenceSampler:
             raise ValueError("logprobs must be >= 0")
         if params.constraint is not None and not isinstance(params.constraint, Constraint):
             raise ValueError("constraint must have mask() and advance(token)")
-        self.params = params
-        self.constraint: Constraint | None = params.constraint
-        self.top_n = min(params.logprobs or 0, vocab)
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
-        self.key = mx.random.key(seed % 2**64)  # any int, negative or huge, maps to a uint64
 
     @property
     def greedy(self) -> bool:

@@ -436,7 +436,8 @@ class ModelWorker:
             return "cancelled"
         s.count += 1
         if step.token in s.eos:
-            failed = getattr(s.job.request.params.constraint, "failed", None)
+            constraint = s.job.request.params.constraint
+            failed = constraint.failed if constraint is not None else None
             if failed:  # the constraint gave up: what came is not what was asked for
                 s.error = f"the requested format could not be followed: {failed}"
                 return "error"

@@ -1,0 +1,107 @@
+"""The OpenAI API over the scripted engine, in-process: shapes, streaming, errors, auth, the queue's
+limit and a client that leaves. What the real engines add is tested in tests/e2e/."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL, serve_fake
+from fake_engine import FakeEngine
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+def openai_client(server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+def test_health_and_models(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+
+
+def test_a_chat_completion_with_the_official_client(fake_server):
+    reply = openai_client(fake_server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and len(choice.message.content) == 7  # one letter a token
+    assert reply.usage.completion_tokens == 7 and reply.usage.prompt_tokens > 0
+
+
+def test_a_stream_arrives_token_by_token_and_ends_with_usage(fake_server):
+    stream = openai_client(fake_server).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text) == 12 and len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_the_same_greedy_request_gets_the_same_answer_alone_or_beside_others(fake_server):
+    client = openai_client(fake_server)
+    alone = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(lambda i: client.chat.completions.create(
+            model=MODEL, messages=MESSAGES if i % 2 else [{"role": "user", "content": f"Other {i}"}],
+            max_tokens=20, temperature=0), range(6)))
+    assert all(r.choices[0].message.content == alone.choices[0].message.content for r in replies[1::2])
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b'{"model": "fake", "messages": [', 400, None),
+    ({"messages": MESSAGES}, 400, "model"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ({"model": "nope", "messages": MESSAGES}, 404, "model"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 100_000}, 400, "messages"),  # past the context
+])
+def test_bad_requests_get_openai_error_bodies(client, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    response = client.post("/v1/chat/completions", **kwargs)
+    error = response.json()["error"]
+    assert response.status_code == status and set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_an_api_key_guards_every_v1_route():
+    with serve_fake(api_key="sesame") as server:
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(server, api_key="wrong").models.list()
+        assert [m.id for m in openai_client(server, api_key="sesame").models.list()] == [MODEL]
+        assert httpx.get(server.url + "/health").status_code == 200  # for load balancers
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    with serve_fake(lambda: FakeEngine(max_batch=1, step_s=0.01), max_queue=1) as server:
+        client = openai_client(server)
+        running = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, stream=True)
+        next(iter(running))  # it holds the only slot
+        waiting = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, stream=True)
+        response = httpx.post(server.url + "/v1/chat/completions",
+                              json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1})
+        assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["type"]
+        running.close()
+        assert "".join(c.choices[0].delta.content or "" for c in waiting if c.choices)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sequence_at_once():
+    with serve_fake(lambda: FakeEngine(step_s=0.01)) as server:
+        worker = server.workers[0]
+        stream = openai_client(server).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3000, stream=True)
+        for _ in zip(range(3), stream):
+            pass
+        assert worker.load()["active"] == 1
+        stream.close()
+        deadline = time.monotonic() + 5
+        while worker.load()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.load()["active"] == 0
