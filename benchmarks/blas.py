@@ -62,7 +62,7 @@ def setup_cmeel() -> str:
 
 def child(how: str, size: int, reps: int) -> None:
     if how == "mesh-llm":
-        from mesh_llm.engines.mlx_blas import ensure_fast_blas
+        from mesh_llm.system.blas import ensure_fast_blas
 
         what = ensure_fast_blas()
     elif how == "cmeel":
@@ -86,7 +86,7 @@ def runnable(name: str) -> str | None:
     if name == "cmeel":
         if not CMEEL.exists():
             return "cmeel-openblas is not installed"
-        from mesh_llm.engines.mlx_blas import cpu_flags
+        from mesh_llm.system.blas import cpu_flags
 
         if "avx512f" not in cpu_flags():
             return "cmeel-openblas is a SKYLAKEX build: this CPU has no AVX-512 (it would die of SIGILL)"

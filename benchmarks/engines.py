@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before numpy, mesh_llm/native.py)
+import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before numpy, mesh_llm/system/native.py)
 import numpy as np
 
 from mesh_llm.engines import engine_class

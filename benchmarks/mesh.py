@@ -40,7 +40,7 @@ import httpx
 from mesh_llm.bench.backends import Backend, Server, Settings
 from mesh_llm.bench.cases import context_text
 from mesh_llm.bench.environment import describe
-from mesh_llm.machine import physical_cores
+from mesh_llm.system.machine import physical_cores
 
 USER_TURNS = ["Summarize item 3 in one sentence.", "And item 7?", "Which items mention costs?",
               "Which team appears most often?", "Name one risk from the notes."]

@@ -34,7 +34,7 @@ from mesh_llm.bench.backends import Backend, Server, Settings
 from mesh_llm.bench.cases import context_text
 from mesh_llm.bench.environment import describe
 from mesh_llm.bench.tokenizer import load_tokenizer
-from mesh_llm.machine import physical_cores
+from mesh_llm.system.machine import physical_cores
 
 TARGETS = {"extend": 0.25, "document": 0.20, "flat": 1.5}
 QUESTIONS = ["Which team added caching in front of the search index, and when?",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-os.environ.setdefault("MESH_LLM_LLAMA_FIRST", "0")  # matplotlib runs here, llama.cpp never (mesh_llm/native.py)
+os.environ.setdefault("MESH_LLM_LLAMA_FIRST", "0")  # matplotlib runs here, llama.cpp never (mesh_llm/system/native.py)
 
 from mesh_llm.bench.charts import write_charts, write_concurrency_charts  # noqa: E402
 from mesh_llm.bench.concurrency_report import concurrency_tables, write_concurrency_report  # noqa: E402

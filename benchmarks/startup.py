@@ -1,6 +1,6 @@
 """How long `mesh-llm serve` takes to start, as a user sees it: from the command to the port
 answering, to `/health` ok, and to the first streamed token and the end of a first short request
-(and to the notice of a restart for MLX, where there is one: ``mesh_llm/native.py``).
+(and to the notice of a restart for MLX, where there is one: ``mesh_llm/system/native.py``).
 
     .venv/bin/python benchmarks/startup.py [--runs 3] [--label NAME] [--out FILE.jsonl] -- SERVE ARGS
         (e.g. -- --engine mlx --model DIR --max-batch 8)

@@ -1,4 +1,4 @@
-"""Load order for llama.cpp builds that carry their own libstdc++ (mesh_llm/native.py): the check on real
+"""Load order for llama.cpp builds that carry their own libstdc++ (mesh_llm/system/native.py): the check on real
 ELF files, and what `import mesh_llm` does with such a build before and after another C++ library.
 
 The crash itself needs the CUDA build on the GPU machine (tests/engines/test_llama_gpu.py). Here a
@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mesh_llm import children, native
+from mesh_llm import children
+from mesh_llm.system import native
 from support import free_port, start_server
 
 SOURCE = '#include <sstream>\nextern "C" int describe(long v) { std::ostringstream s; s << v; return s.str().size(); }\n'
@@ -87,7 +88,7 @@ def test_import_mesh_llm_loads_such_a_build_before_any_cxx_library(risky_build):
                   "from mesh_llm import native\n"
                   "maps = Path('/proc/self/maps').read_text()\n"
                   "print(native._state, 'libllama.so' in maps, 'llama_cpp' in sys.modules, 'numpy' in sys.modules)\n"
-                  "from mesh_llm.engines.llama import LlamaEngine\n"
+                  "from mesh_llm.engines.llama.engine import LlamaEngine\n"
                   "print('engine ok')", risky_build)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["first True False False", "engine ok"]

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mesh_llm import native
+from mesh_llm.system import native
 from mesh_llm.bench.cli import bench_command
 
 app = typer.Typer(help="Serve LLMs from MLX and llama.cpp engines behind one OpenAI-compatible API.",
@@ -295,7 +295,7 @@ def models_import_gguf(
         engine_class("mlx")  # the import uses MLX to read GGUF tensors
     except EngineError as exc:
         raise fail(str(exc)) from None
-    from mesh_llm.engines.mlx_blas import ensure_fast_blas
+    from mesh_llm.system.blas import ensure_fast_blas
     from mesh_llm.models.gguf_convert import GGUFConvertError, import_gguf
 
     ensure_fast_blas()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mesh_llm import native
+from mesh_llm.system import native
 from mesh_llm.engines import choose_engine, engine_class
 from mesh_llm.engines.base import Engine, EngineError, EngineOptions
 
@@ -85,7 +85,7 @@ def plan_models(config: ServeConfig, progress=None) -> list[Plan]:
 
 
 class Relaunch(StartupError):
-    """This process cannot run MLX (native.py), but the same command in a fresh one can: the CLI
+    """This process cannot run MLX (system/native.py), but the same command in a fresh one can: the CLI
     starts it again with ``native.relaunch_without_llama``."""
 
 

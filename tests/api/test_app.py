@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL, serve_fake
+from in_process import MODEL, serve_fake
 from fake_engine import FakeEngine
 
 MESSAGES = [{"role": "user", "content": "Say something."}]

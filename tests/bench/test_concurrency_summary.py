@@ -176,7 +176,7 @@ def test_where_llama_cpp_came_first_the_charts_are_drawn_without_matplotlib_in_t
     code = textwrap.dedent("""
         import json, sys
         from pathlib import Path
-        from mesh_llm import native
+        from mesh_llm.system import native
         native.loaded_first = lambda: True
         from mesh_llm.bench.cli import _charts
         out = Path(sys.argv[1])

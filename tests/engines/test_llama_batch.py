@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineError, EngineOptions, NoCapacity, SamplingParams, Step
-from mesh_llm.engines.llama import LlamaEngine
-from mesh_llm.engines.llama_cache import RECOMPUTE
+from mesh_llm.engines.llama.engine import LlamaEngine
+from mesh_llm.engines.llama.cache import RECOMPUTE
 from mesh_llm.runtime.chat import encode_chat
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
@@ -492,7 +492,7 @@ def test_greedy_rows_take_the_token_llamas_greedy_sampler_takes(engine, prompts)
     and the first of tied maxima, as llama.cpp takes it."""
     import llama_cpp.llama_cpp as ll
 
-    from mesh_llm.engines.llama_batch import Sampler
+    from mesh_llm.engines.llama.batch import Sampler
 
     vocab = engine.tokenizer.vocab_size
     ours = Sampler(SamplingParams(temperature=0), vocab, 0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mesh_llm.engines import is_installed
-from mesh_llm.engines.mlx_blas import cpu_flags
+from mesh_llm.system.blas import cpu_flags
 
 if not is_installed("llama"):
     pytest.skip("the llama extra is not installed", allow_module_level=True)

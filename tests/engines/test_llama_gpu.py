@@ -1,6 +1,6 @@
 """llama.cpp on a GPU: the engine loads a GGUF with every layer offloaded and generates, and never
 crashes the process whatever was imported first. A CUDA build that carries its own libstdc++ crashed
-at model load when numpy came first (issue 9, mesh_llm/native.py): importing mesh_llm first loads it
+at model load when numpy came first (issue 9, mesh_llm/system/native.py): importing mesh_llm first loads it
 first, and after numpy the engine refuses with the reason; a build that keeps libstdc++ to itself
 generates in every order, after its warm-up (on by default on a GPU). And one pass reads several
 newcomers' prompt chunks. Runs on the GPU machine with a CUDA llama.cpp (``LLAMA_CPP_LIB_PATH``) and
@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     FIRST
     logging.basicConfig(level="INFO")  # the warm-up's line: on by default on a GPU
     from mesh_llm.engines.base import EngineOptions, SamplingParams
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
     engine = LlamaEngine.load(sys.argv[1], EngineOptions(ctx_size=1024, max_batch=4))
     info = engine.info()
     assert info.device == "gpu", info
@@ -61,7 +61,7 @@ PASS_SCRIPT = textwrap.dedent("""
     import sys
     import mesh_llm
     from mesh_llm.engines.base import GPU_PREFILL_CHUNKS, EngineOptions, SamplingParams
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
     step = 128
     engine = LlamaEngine.load(sys.argv[1], EngineOptions(ctx_size=1024, max_batch=8, prefill_step=step,
                                                          cache_bytes=0))
@@ -90,7 +90,7 @@ STREAMS_SCRIPT = textwrap.dedent("""
     import sys
     import mesh_llm
     from mesh_llm.engines.base import EngineOptions, SamplingParams
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
     engine = LlamaEngine.load(sys.argv[1], EngineOptions(ctx_size=1024, max_batch=8))
     assert "a stream for each" in engine.info().details["kv_cells"], engine.info().details
     greedy = SamplingParams(temperature=0.0, logprobs=2)
@@ -143,7 +143,7 @@ MLX_LOAD = textwrap.dedent("""
     import mesh_llm
     from pathlib import Path
     from mesh_llm.engines.base import EngineError, EngineOptions
-    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.engines.mlx.engine import MLXEngine
     try:
         MLXEngine.load(Path(sys.argv[1]), EngineOptions(ctx_size=256, warm_up=False))
         print("loaded")

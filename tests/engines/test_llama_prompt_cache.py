@@ -23,8 +23,8 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
-from mesh_llm.engines.llama import LlamaEngine
-from mesh_llm.engines.llama_cache import RECOMPUTE, batch_ends, next_chunk
+from mesh_llm.engines.llama.engine import LlamaEngine
+from mesh_llm.engines.llama.cache import RECOMPUTE, batch_ends, next_chunk
 from support import run_until_eos
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB
@@ -241,7 +241,7 @@ def test_the_warm_up_leaves_nothing_behind_and_changes_no_output(files, kind, ca
     options = EngineOptions(ctx_size=512, threads=1, prefill_step=STEP.get(kind, 4), cache_bytes=1 << 30,
                             max_batch=2, deterministic=True)
     fresh = LlamaEngine.load(files[kind], options)
-    with caplog.at_level("INFO", logger="mesh_llm.engines.llama"):
+    with caplog.at_level("INFO", logger="mesh_llm.engines.llama.engine"):
         warmed = LlamaEngine.load(files[kind], replace(options, warm_up=True))
     try:
         assert any("warm-up:" in r.getMessage() for r in caplog.records)

@@ -14,8 +14,8 @@ import pytest
 
 ll = pytest.importorskip("llama_cpp.llama_cpp")
 
-import mesh_llm.engines.llama_tokenizer as llama_tokenizer
-from mesh_llm.engines.llama_tokenizer import LlamaTokenizer
+import mesh_llm.engines.llama.tokenizer as llama_tokenizer
+from mesh_llm.engines.llama.tokenizer import LlamaTokenizer
 from mesh_llm.runtime.chat import render_chat
 
 VOCABS = ["aquila", "baichuan", "bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon",

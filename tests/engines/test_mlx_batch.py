@@ -78,7 +78,7 @@ def sibling(engine, pipelined=None, together=None, model=None, bucket=0, keep_sl
     paths on this CPU;
     chunks of ``prefill_step`` tokens; a ``context`` of that many positions."""
     if bucket:
-        from mesh_llm.engines import mlx_attention
+        from mesh_llm.engines.mlx.kernels import attention as mlx_attention
 
         assert mlx_attention.install(engine._model, in_steps=True)
     return MLXEngine(model or engine._model, engine.tokenizer, {}, context,
@@ -300,7 +300,7 @@ def preempting(smollm, monkeypatch, rows: int, max_batch: int = 3, **options):
     buffers), counted twice as the engine counts it, and that gives a newcomer room for 8 answer
     tokens: three ~240-token prompts start together and outgrow it within 16 tokens. Its context
     is what the memory holds for one sequence."""
-    from mesh_llm.engines.mlx_cache import Footprint
+    from mesh_llm.engines.mlx.cache import Footprint
 
     monkeypatch.setattr(sys.modules[MLXEngine.__module__], "ANSWER_HEADROOM", 8)
     kv = 2 * Footprint.measure(smollm._model).bytes(256)
@@ -435,7 +435,7 @@ def test_newcomers_sharing_only_a_short_prefix_start_together_from_position_0(sm
     with a stored state (here the chat template's opening and a first word, a different count for
     each) reuse nothing: all start at position 0 and their first chunks are read in one pass, where
     reusing would have given them different start positions and a pass each. Each answers as alone."""
-    from mesh_llm.engines.mlx import TOGETHER_MIN_REUSE
+    from mesh_llm.engines.mlx.engine import TOGETHER_MIN_REUSE
 
     model = CountingModel(smollm._model)
     engine = sibling(smollm, together=True, model=model, cache_bytes=1 << 30)
@@ -632,7 +632,7 @@ def test_a_slot_no_newcomer_takes_is_cut_out_after_a_while(smollm, monkeypatch):
     """A vacant slot is stepped with the others; one that no newcomer has taken for VACANT_STEPS
     steps is cut out (here 3): four rows, one leaves after two tokens, the batch keeps four slots for
     three more steps, then steps three. Each row answers as it does alone."""
-    from mesh_llm.engines import mlx_batch
+    from mesh_llm.engines.mlx import batch as mlx_batch
 
     monkeypatch.setattr(mlx_batch, "VACANT_STEPS", 3)
     model = CountingModel(smollm._model)
@@ -751,7 +751,7 @@ def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
     a row asking for logprobs (or top-p) gets them normalised."""
     import mlx.core as mx
 
-    from mesh_llm.engines.mlx_sampling import RowSettings, SequenceSampler, sample, scores, split_keys
+    from mesh_llm.engines.mlx.sampling import RowSettings, SequenceSampler, sample, scores, split_keys
 
     vocab = 500
     logits = (mx.random.normal((6, vocab), key=mx.random.key(3)) * 4 + 30).astype(mx.float16)
@@ -773,14 +773,14 @@ def test_rows_that_report_no_logprobs_sample_the_same_from_raw_logits():
 
 
 def test_the_fused_decode_attention_takes_only_one_query_over_a_batch_cache():
-    """Where engines/mlx_attention.py stands in for mlx-lm's attention (run on the GPU machine by
+    """Where engines/mlx/kernels/attention.py stands in for mlx-lm's attention (run on the GPU machine by
     test_mlx_gpu.py): one query per row over a BatchKVCache's own buffers, a head size it was built
     for, no sinks, matching dtypes; and it is installed only on CUDA (here, a CPU, mlx-lm's attention is untouched)."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    from mesh_llm.engines.mlx_attention import applies, install
+    from mesh_llm.engines.mlx.kernels.attention import applies, install
 
     q = mx.zeros((2, 14, 1, 64), dtype=mx.float16)
     batch = BatchKVCache([0, 3])
@@ -806,7 +806,7 @@ def test_a_chunk_reading_keys_in_steps_attends_as_mlx_lm_does():
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mesh_llm.engines.mlx_attention import prefill_in_steps
+    from mesh_llm.engines.mlx.kernels.attention import prefill_in_steps
 
     cache = KVCache()
     k1, k2, k3 = mx.random.split(mx.random.key(3), 3)
@@ -828,7 +828,7 @@ def test_padded_prompt_chunks_answer_as_unpadded_ones(smollm, together, monkeypa
     trimmed from the caches again, alone and read together: the warm-up reads each padded width,
     each sequence answers as it does unpadded, and a prompt stored by the prompt cache resumes with
     its real tokens only."""
-    from mesh_llm.engines import mlx_attention
+    from mesh_llm.engines.mlx.kernels import attention as mlx_attention
 
     stepped, in_steps = [], mlx_attention.prefill_in_steps
     monkeypatch.setattr(mlx_attention, "prefill_in_steps",

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from mesh_llm.engines import is_installed
-from mesh_llm.engines.mlx_blas import cpu_cannot_run, cpu_flags
+from mesh_llm.system.blas import cpu_cannot_run, cpu_flags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not is_installed("mlx"),
                                 reason="the BLAS fix is for MLX's Linux CPU wheel")
@@ -76,7 +76,7 @@ def test_cpu_check(config, core, flags, machine, refused_for):
 # cblas_sgemm to it (not to the wheel's reference libblas).
 PROBE = """
 import ctypes, itertools, json, sys
-from mesh_llm.engines.mlx_blas import ensure_fast_blas
+from mesh_llm.system.blas import ensure_fast_blas
 blas = ensure_fast_blas()
 scope = ctypes.CDLL(None)
 names = {"config": "openblas_get_config", "core": "openblas_get_corename"}
@@ -153,7 +153,7 @@ def test_a_core_the_cpu_lacks_is_refused_not_run(tmp_path):
     if lacking is None or lacking[1] in cpu_flags():
         pytest.skip(f"this CPU runs every core OpenBLAS lets us force ({platform.machine()})")
     env = {**os.environ, "MESH_LLM_HOME": str(tmp_path), "OPENBLAS_CORETYPE": lacking[0]}
-    code = "from mesh_llm.engines.mlx_blas import ensure_fast_blas; print(ensure_fast_blas())"
+    code = "from mesh_llm.system.blas import ensure_fast_blas; print(ensure_fast_blas())"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "reference (slow)"

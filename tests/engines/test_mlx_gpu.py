@@ -49,7 +49,7 @@ def test_quantize_on_load_keeps_a_real_models_predictions(embedded, bits, nll_ri
     tokens)."""
     from mlx.utils import tree_flatten
 
-    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.engines.mlx.engine import MLXEngine
     from mesh_llm.runtime.chat import encode_chat
 
     source = MLXEngine.load(embedded, EngineOptions(warm_up=False))
@@ -111,7 +111,7 @@ def test_eight_batched_sequences_match_their_solo_runs_on_the_gpu(checkpoints):
     Prints how many diverge, and where."""
     from batch_runs import AllowOnly, Case, compare, run_alone, run_batched
 
-    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.engines.mlx.engine import MLXEngine
 
     for name, path, tolerance in _batch_models(checkpoints):
         engine = MLXEngine.load(path, EngineOptions(ctx_size=512, prefill_step=16, cache_bytes=0))
@@ -164,8 +164,8 @@ def test_sequences_preempted_on_the_gpu_answer_as_alone(checkpoints, monkeypatch
 
     from batch_runs import Case, compare, run_alone
 
-    from mesh_llm.engines.mlx import MLXEngine
-    from mesh_llm.engines.mlx_cache import Footprint
+    from mesh_llm.engines.mlx.engine import MLXEngine
+    from mesh_llm.engines.mlx.cache import Footprint
 
     for name, path, tolerance in _batch_models(checkpoints):
         alone_engine = MLXEngine.load(path, EngineOptions(ctx_size=1024, prefill_step=64, cache_bytes=0))
@@ -201,12 +201,12 @@ def test_sequences_preempted_on_the_gpu_answer_as_alone(checkpoints, monkeypatch
 @pytest.mark.parametrize("heads,kv_heads,size,keys,dtype", [
     (14, 2, 64, 700, "float16"), (28, 4, 128, 37, "float16"), (8, 8, 96, 300, "bfloat16"), (4, 4, 64, 129, "float32")])
 def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_heads, size, keys, dtype, rows):
-    """engines/mlx_attention.py against mx.fast.scaled_dot_product_attention with the left-padding
+    """engines/mlx/kernels/attention.py against mx.fast.scaled_dot_product_attention with the left-padding
     mask: every row from its own start, the first ``keys`` positions of a larger buffer read (as a
     cache holds them), grouped heads; one row (32 warps a block) and six."""
     import mlx.core as mx
 
-    from mesh_llm.engines.mlx_attention import decode_attention
+    from mesh_llm.engines.mlx.kernels.attention import decode_attention
 
     if not mx.cuda.is_available():
         pytest.skip("the fused kernel is CUDA's")
@@ -224,13 +224,14 @@ def test_the_fused_decode_attention_matches_mlxs_masked_attention(heads, kv_head
 
 
 def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compiler(tmp_path, monkeypatch):
-    """engines/nvrtc.py: the first call compiles with NVRTC and stores the cubin in MLX's kernel
+    """engines/mlx/kernels/nvrtc.py: the first call compiles with NVRTC and stores the cubin in MLX's kernel
     folder; a later process (here: the engine's in-memory copy forgotten) loads it with no compile
     at all, and a changed source is compiled afresh, never served a stale binary."""
     import mlx.core as mx
 
-    from mesh_llm.engines import mlx_attention, nvrtc
-    from mesh_llm.engines.mlx_attention import decode_attention, kernel_source
+    from mesh_llm.engines.mlx.kernels import attention as mlx_attention
+from mesh_llm.engines.mlx.kernels import nvrtc
+    from mesh_llm.engines.mlx.kernels.attention import decode_attention, kernel_source
 
     if not mx.cuda.is_available():
         pytest.skip("NVRTC is CUDA's")
@@ -261,13 +262,13 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     (5000, 640, 128, "float32", 4), (151936, 896, 64, "float16", 4), (4100, 1088, 64, "float16", 8),
     (300, 896, 32, "bfloat16", 8)])
 def test_the_quantized_decode_product_matches_the_dequantized_weights(rows, n, k, group, dtype, bits):
-    """engines/mlx_quantized.py against a float32 product of the dequantized weights: outputs not a
+    """engines/mlx/kernels/quantized.py against a float32 product of the dequantized weights: outputs not a
     multiple of a block's (4,100), inputs not a multiple of a warp's 512 (1,088, 640), each group size
     and activation type, 4 and 8 bits, several output rows a warp (over 4,096 outputs) and one, 1-8
     activation rows; within the output type's rounding, and no farther than MLX's own product."""
     import mlx.core as mx
 
-    from mesh_llm.engines.mlx_quantized import qmv
+    from mesh_llm.engines.mlx.kernels.quantized import qmv
 
     if not mx.cuda.is_available():
         pytest.skip("the kernel is CUDA's")
@@ -292,14 +293,14 @@ def test_the_quantized_decode_product_matches_the_dequantized_weights(rows, n, k
     (4100, 1088, 64, "float16"), (3584, 18944, 64, "float16"), (300, 896, 32, "bfloat16"),
     (37888, 640, 128, "float16"), (151936, 896, 64, "bfloat16")])
 def test_the_tensor_core_product_matches_the_dequantized_weights(rows, n, k, group, dtype):
-    """engines/mlx_quantized.py's ``qmm`` (4 bits, tensor cores) against a float32 product of the
+    """engines/mlx/kernels/quantized.py's ``qmm`` (4 bits, tensor cores) against a float32 product of the
     dequantized weights: outputs not a multiple of a tile's 16 (4,100, 300), inputs not a multiple of
     a block's 256 (1,088, 640), each group size, both half types, one and two tiles of outputs a warp
     (37,888 and 151,936 outputs), one and two tiles of input rows (9, 16), blocks of 4, 8 and 16
     warps; within the output type's rounding, and no farther than MLX's own product."""
     import mlx.core as mx
 
-    from mesh_llm.engines.mlx_quantized import qmm
+    from mesh_llm.engines.mlx.kernels.quantized import qmm
 
     if not mx.cuda.is_available():
         pytest.skip("the kernel is CUDA's")
@@ -320,7 +321,7 @@ def test_the_tensor_core_product_matches_the_dequantized_weights(rows, n, k, gro
 
 
 def test_a_4bit_model_decodes_as_through_its_dequantized_weights(checkpoints, monkeypatch):
-    """`--quantize 4` on a GPU routes quantized layers through engines/mlx_quantized.py: a batch of 3
+    """`--quantize 4` on a GPU routes quantized layers through engines/mlx/kernels/quantized.py: a batch of 3
     decoded for 12 steps with every product through the dequantized weights, then the same tokens fed
     with the layers routed as served (the prompts' products through the dequantized weights, every
     product of 3 rows through our kernels, whatever its size: the tensor-core one for 4-bit half
@@ -331,8 +332,8 @@ def test_a_4bit_model_decodes_as_through_its_dequantized_weights(checkpoints, mo
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mesh_llm.engines import mlx_quantized
-    from mesh_llm.engines.mlx_load import load_any
+    from mesh_llm.engines.mlx.kernels import quantized as mlx_quantized
+    from mesh_llm.engines.mlx.load import load_any
 
     if not mx.cuda.is_available():
         pytest.skip("the kernel is CUDA's")

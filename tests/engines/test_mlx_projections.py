@@ -1,4 +1,4 @@
-"""engines/mlx_projections.py: q/k/v and gate/up computed as one product each, against the separate
+"""engines/mlx/projections.py: q/k/v and gate/up computed as one product each, against the separate
 products, on the embedded SmolLM2 (llama) and tiny random qwen2, llama and qwen3 layers: the
 same logits up to float32 rounding, the same greedy tokens, memory unchanged; quantized layers fused
 too (bit for bit); layers of mixed quantization, other architectures and the switch left alone. The engine fuses on a GPU (where the H200 gave float16
@@ -33,7 +33,7 @@ def test_the_embedded_model_fused_gives_the_separate_products_logits():
     (measured 3.5e-6), the same top token everywhere, the same greedy text."""
     import numpy as np
 
-    from mesh_llm.engines.mlx_projections import fuse_projections
+    from mesh_llm.engines.mlx.projections import fuse_projections
     from mesh_llm.models import default_mlx_folder
     from mesh_llm.runtime.chat import encode_chat
 
@@ -73,7 +73,7 @@ def test_layers_with_biases_fused_decode_as_before(kind, config):
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mesh_llm.engines.mlx_projections import fuse_projections
+    from mesh_llm.engines.mlx.projections import fuse_projections
 
     separate = random_model(kind, config)
     fused = random_model(kind, config)
@@ -99,7 +99,7 @@ def test_quantized_layers_fused_decode_as_before(kind):
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mesh_llm.engines.mlx_projections import fuse_projections
+    from mesh_llm.engines.mlx.projections import fuse_projections
 
     config = {"model_type": kind, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97}
@@ -123,7 +123,7 @@ def test_quantized_layers_fused_decode_as_before(kind):
 
 
 def test_other_architectures_are_left_alone():
-    from mesh_llm.engines.mlx_projections import fuse_projections
+    from mesh_llm.engines.mlx.projections import fuse_projections
 
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 97}
@@ -142,7 +142,7 @@ def test_fused_layers_decode_a_batch_as_each_sequence_alone_unfused():
     strided views there) through fused layers, against each sequence alone through separate ones."""
     from batch_runs import Case, compare, run_alone, run_batched
 
-    from mesh_llm.engines.mlx_projections import fuse_projections
+    from mesh_llm.engines.mlx.projections import fuse_projections
     from mesh_llm.models import default_mlx_folder
     from mesh_llm.runtime.chat import encode_chat
 

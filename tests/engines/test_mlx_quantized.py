@@ -1,4 +1,4 @@
-"""engines/mlx_quantized.py where a CPU can check it: which layers are routed and which the kernel
+"""engines/mlx/kernels/quantized.py where a CPU can check it: which layers are routed and which the kernel
 takes, that routing is undone exactly, that flattened products match the layers' own,
 that the engine routes nothing off CUDA; and that a pre-quantized folder (``mesh_llm.bench.synth --quantize 4``, what the H200's 4-bit runs serve) loads and predicts
 as its float source does. The kernel itself runs on CUDA only: test_mlx_gpu.py checks it there."""
@@ -25,7 +25,7 @@ def test_quantized_layers_are_routed_and_undone_and_their_products_flattened():
     import mlx.core as mx
     from mlx import nn
 
-    from mesh_llm.engines import mlx_quantized
+    from mesh_llm.engines.mlx.kernels import quantized as mlx_quantized
 
     layers = {
         "4-bit g64": nn.QuantizedLinear(128, 64, bits=4, group_size=64),
@@ -119,7 +119,7 @@ def test_a_prompt_read_through_dequantized_weights_holds_about_one_layers_at_a_t
     from mlx_lm.models import qwen2
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mesh_llm.engines import mlx_quantized
+    from mesh_llm.engines.mlx.kernels import quantized as mlx_quantized
 
     def peak(layers: int) -> int:
         args = qwen2.ModelArgs(model_type="qwen2", hidden_size=512, num_hidden_layers=layers,

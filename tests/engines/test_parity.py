@@ -27,8 +27,8 @@ CONTINUATION = 40  # reference tokens per prompt, teacher-forced into both engin
 
 @pytest.fixture(scope="module")
 def engines(default_gguf):
-    from mesh_llm.engines.llama import LlamaEngine
-    from mesh_llm.engines.mlx import MLXEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
+    from mesh_llm.engines.mlx.engine import MLXEngine
     from mesh_llm.models import default_mlx_folder
 
     llama = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=1024))

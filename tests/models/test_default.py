@@ -231,7 +231,7 @@ def test_the_q8_0_copy_answers_as_the_shipped_file():
 
     from engines.batch_runs import log_softmax
     from mesh_llm.engines.base import EngineOptions, SamplingParams
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
 
     text = (Path(__file__).parents[2] / "README.md").read_text()[:20000]
     question = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"

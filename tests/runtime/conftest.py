@@ -39,7 +39,7 @@ class Vocab:
 def vocab():
     import llama_cpp.llama_cpp as ll
 
-    from mesh_llm.engines.llama import LlamaTokenizer
+    from mesh_llm.engines.llama.engine import LlamaTokenizer
 
     folder = os.environ.get("MESH_LLM_GGUF_VOCABS")
     models = []

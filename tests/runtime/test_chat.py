@@ -21,7 +21,7 @@ class Tok:
 
 def test_the_embedded_models_template_adds_its_default_system_prompt(default_gguf):
     from mesh_llm.engines.base import EngineOptions
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
 
     engine = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=256))
     try:

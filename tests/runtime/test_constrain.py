@@ -21,7 +21,7 @@ VALUE = {"name": "Zoë \"Z\"", "tags": ["a", "b"], "score": 0.5}
 def tokenizers(default_gguf):
     from mesh_llm.engines.base import EngineOptions
     from mesh_llm.engines.hf_tokenizer import HFTokenizer
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
     from mesh_llm.models.default import default_mlx_folder
 
     engine = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=256, cache_bytes=0))

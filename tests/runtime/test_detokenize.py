@@ -20,7 +20,7 @@ TEXTS = [
 @pytest.fixture(scope="module", params=["llama", "hf"])
 def tokenizer(request, default_gguf):
     if request.param == "llama":
-        from mesh_llm.engines.llama import LlamaEngine
+        from mesh_llm.engines.llama.engine import LlamaEngine
 
         engine = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=256))
         yield engine.tokenizer

@@ -99,7 +99,7 @@ def test_mistral_renders_available_tools_and_nine_character_ids(vocab, template)
 
 def test_generic_puts_tools_in_the_system_message_and_results_in_words(default_gguf):
     from mesh_llm.engines.base import EngineOptions
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
 
     engine = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=512, cache_bytes=0))
     try:
@@ -178,7 +178,7 @@ def test_mistral_named_stream(vocab):
 
 def test_generic_stream(default_gguf):
     from mesh_llm.engines.base import EngineOptions
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
 
     engine = LlamaEngine.load(default_gguf, EngineOptions(ctx_size=256, cache_bytes=0))
     try:

@@ -142,7 +142,7 @@ def test_a_full_queue_refuses_at_once():
 
 
 def test_a_model_that_fails_to_load_reports_why(tmp_path):
-    from mesh_llm.engines.llama import LlamaEngine
+    from mesh_llm.engines.llama.engine import LlamaEngine
 
     missing = tmp_path / "missing.gguf"
     w = ModelWorker("broken", lambda: LlamaEngine.load(missing, EngineOptions()))

@@ -34,7 +34,7 @@ from mesh_llm import children
 # is of servers, not of BLAS libraries. Elsewhere (macOS, CUDA) ensure_fast_blas() changes nothing.
 _MLX_LM_FAST_BLAS = (
     "import runpy, sys\n"
-    "from mesh_llm.engines.mlx_blas import ensure_fast_blas\n"
+    "from mesh_llm.system.blas import ensure_fast_blas\n"
     "print('bench: mlx blas =', ensure_fast_blas(), file=sys.stderr, flush=True)\n"
     "sys.argv = ['mlx_lm.server', *sys.argv[1:]]\n"
     "runpy.run_module('mlx_lm.server', run_name='__main__')\n"

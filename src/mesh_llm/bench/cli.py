@@ -64,7 +64,7 @@ def bench_command(
     from mesh_llm.bench.report import console_tables, write_report
     from mesh_llm.bench.runner import Plan, Runner
     from mesh_llm.bench.summary import summarize
-    from mesh_llm.machine import physical_cores
+    from mesh_llm.system.machine import physical_cores
 
     try:
         names = [n.strip() for item in backends for n in item.split(",") if n.strip()] or \
@@ -173,7 +173,7 @@ def _default_pair() -> ModelPair:
     forms: dict[str, Path | None] = {}
     for kind, make, early_load in (("MLX", "default_mlx_folder", "0"), ("GGUF", "default_llama_gguf", "")):
         code = f"from mesh_llm.models import {make}; print({make}())"
-        env = {**os.environ, "MESH_LLM_LLAMA_FIRST": early_load} if early_load else None  # MLX: native.py
+        env = {**os.environ, "MESH_LLM_LLAMA_FIRST": early_load} if early_load else None  # MLX: system/native.py
         done = children.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env=env)
         made = done.stdout.strip().splitlines() if done.returncode == 0 else []
         forms[kind] = Path(made[-1]) if made else None
@@ -207,10 +207,11 @@ def _settings_json(plan: Plan, started: datetime) -> dict:
 
 def _charts(writer: str, summary: dict, out: Path) -> list[Path]:
     """The charts (``bench.charts``' function ``writer``), drawn in a child process when this one loaded
-    a llama.cpp build that carries its own libstdc++ first (``mesh_llm/native.py``): matplotlib's C++
+    a llama.cpp build that carries its own libstdc++ first (``mesh_llm/system/native.py``): matplotlib's C++
     code must not share a process with it, not even to be imported (on a fresh H200 machine, building
     its font cache in such a process died with SIGSEGV in ``FontManager.addfont``)."""
-    from mesh_llm import children, native
+    from mesh_llm import children
+    from mesh_llm.system import native
 
     if not native.loaded_first():
         from mesh_llm.bench import charts  # matplotlib: only when drawing

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mesh_llm.machine import physical_cores
+from mesh_llm.system.machine import physical_cores
 
 _PACKAGES = ["mesh-llm", "mlx", "mlx-cpu", "mlx-cuda-13", "mlx-metal", "mlx-lm", "llama_cpp_python", "tokenizers"]
 

@@ -16,8 +16,8 @@ from mesh_llm.engines.base import Engine, EngineUnavailable
 # name -> (module, class, the pip extra that installs its dependency, the module that extra provides,
 # the environment variable that points the dependency at its native libraries, if it has one)
 _ENGINES: dict[str, tuple[str, str, str, str, str | None]] = {
-    "mlx": ("mesh_llm.engines.mlx", "MLXEngine", "mlx", "mlx", None),
-    "llama": ("mesh_llm.engines.llama", "LlamaEngine", "llama", "llama_cpp", "LLAMA_CPP_LIB_PATH"),
+    "mlx": ("mesh_llm.engines.mlx.engine", "MLXEngine", "mlx", "mlx", None),
+    "llama": ("mesh_llm.engines.llama.engine", "LlamaEngine", "llama", "llama_cpp", "LLAMA_CPP_LIB_PATH"),
 }
 
 
@@ -63,7 +63,7 @@ def engine_class(name: str) -> type[Engine]:
 def choose_engine(forms: Collection[str], requested: str = "auto") -> tuple[str, str, str]:
     """Pick (engine, format, why) for a model available in ``forms`` ("gguf", "safetensors"), from
     what is installed, importing no engine: the caller may yet have to start again before one can
-    load (``mesh_llm/native.py``), and MLX's import alone took over a second on the GPU host.
+    load (``mesh_llm/system/native.py``), and MLX's import alone took over a second on the GPU host.
 
     A model in both forms goes to the engine measured faster: llama.cpp, on this CPU (its quantized
     kernels; MLX has none on a CPU) and on the H200 up to about 32 streams (the Qwen2.5-0.5B shape

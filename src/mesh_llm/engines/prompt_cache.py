@@ -13,7 +13,7 @@ prefix with it, among all entries:
   prefill (checkpoints) so that branches still find one.
 
 At least one prompt token is always left to compute, so that there are logits to sample from
-(``recompute``: llama.cpp leaves two, see ``engines/llama.py``). An engine whose live state already
+(``recompute``: llama.cpp leaves two, see ``engines/llama/engine.py``). An engine whose live state already
 holds part of the prompt passes that length to :meth:`PromptCache.lookup`, which resumes a stored
 state only when it saves more, so that the common case (the next turn of a chat) copies nothing.
 Memory is bounded by an LRU over the bytes the stored states really occupy, and an entry count.

@@ -65,8 +65,8 @@ def default_llama_gguf() -> Path:
     file on first use (0.6 s on a 2-core CPU; 145 MB against 80)."""
 
     def make(temp: Path) -> Path:
-        # Imported here: only the llama engine's process loads llama.cpp (mesh_llm/native.py).
-        from mesh_llm.engines.llama_native import requantize_q8_0
+        # Imported here: only the llama engine's process loads llama.cpp (mesh_llm/system/native.py).
+        from mesh_llm.system.llama_lib import requantize_q8_0
 
         try:
             requantize_q8_0(default_gguf(), temp)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as ll
 
-log = logging.getLogger("mesh_llm.engines.llama")
+log = logging.getLogger("mesh_llm.engines.llama.engine")
 
 
 class _NativeLog:

@@ -21,7 +21,7 @@ import secrets
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import prepare_mlx
+from mesh_llm.system.blas import prepare_mlx
 
 prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 

@@ -4,11 +4,11 @@ decoding many sequences together (continuous batching).
 A runner for ``runtime.scheduler``: each step it reads the planned prompt chunks (a sequence's own
 layer caches, resumed from the prompt cache or from a live sequence's state when one shares a prefix
 with it; chunks that start at the same position read in one pass on a GPU), then a sequence whose
-prompt is read joins the decode group (``mlx_batch.DecodeGroup``): one forward pass a step for every
-decoding row, each sampled by its own settings (``mlx_sampling``). Models whose layer caches mlx-lm
+prompt is read joins the decode group (``batch.DecodeGroup``): one forward pass a step for every
+decoding row, each sampled by its own settings (``sampling``). Models whose layer caches mlx-lm
 cannot batch get one group per sequence, stepped one after the other. The memory the sequences' KV
-needs (``mlx_cache.Footprint``) is what the scheduler admits and preempts by; the prompt cache
-(``prompt_cache.PromptCache`` holding ``mlx_cache.Frozen`` states) keeps what they leave of it. On a
+needs (``cache.Footprint``) is what the scheduler admits and preempts by; the prompt cache
+(``prompt_cache.PromptCache`` holding ``cache.Frozen`` states) keeps what they leave of it. On a
 GPU, step n+1 is queued before step n is read.
 
 Everything MLX runs on the thread that calls :meth:`MLXEngine.load`; this module starts no threads.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import prepare_mlx, set_blas_threads
+from mesh_llm.system.blas import prepare_mlx, set_blas_threads
 
 _BLAS = prepare_mlx()  # must run before mlx and mlx-lm are first imported in the process
 
@@ -35,8 +35,8 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mesh_llm import native
-from mesh_llm.engines import mlx_attention
+from mesh_llm.system import native
+from mesh_llm.engines.mlx.kernels import attention as mlx_attention
 from mesh_llm.engines.base import (
     PREFILL_STEP,
     TYPICAL_SEQUENCE,
@@ -52,12 +52,12 @@ from mesh_llm.engines.base import (
     warm_up_before_ready,
 )
 from mesh_llm.engines.hf_tokenizer import first_line
-from mesh_llm.engines.mlx_batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
-from mesh_llm.engines.mlx_cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
-from mesh_llm.engines.mlx_load import cuda_settings, load_any, on_gpu, text_config
-from mesh_llm.engines.mlx_sampling import SequenceSampler
+from mesh_llm.engines.mlx.batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
+from mesh_llm.engines.mlx.cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
+from mesh_llm.engines.mlx.load import cuda_settings, load_any, on_gpu, text_config
+from mesh_llm.engines.mlx.sampling import SequenceSampler
 from mesh_llm.engines.prompt_cache import PromptCache, default_cache_bytes
-from mesh_llm.machine import physical_cores
+from mesh_llm.system.machine import physical_cores
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class MLXEngine(Engine):
         rebuilds MLX's CUDA graphs (8 of them, 19.5 ms, for a 0.5B prompt: H200, 2026-12-04); with
         both bounded, prompts of any length make few shapes.
         ``keep_slots``: a row that leaves the decode batch leaves its slot for newcomers
-        (``mlx_batch``; default: where pipelined, as on a GPU, whose step costs the same for one row
+        (``batch``; default: where pipelined, as on a GPU, whose step costs the same for one row
         more; a CPU's grows with the rows)."""
         self._model = model
         self._tokenizer = tokenizer

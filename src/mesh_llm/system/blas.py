@@ -35,7 +35,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from mesh_llm.machine import physical_cores
+from mesh_llm.system.machine import physical_cores
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def _ensure() -> str:
     if preloaded is not None:
         return preloaded
     if "mlx.core" in sys.modules:
-        log.warning("%s: mlx.core was imported before mesh_llm.engines.mlx_blas.ensure_fast_blas() "
+        log.warning("%s: mlx.core was imported before mesh_llm.system.blas.ensure_fast_blas() "
                     "ran; call it first in the process", _SLOW)
         return "reference (slow)"
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(physical_cores()))

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mesh_llm.engines.mlx_blas import prepare_mlx
+from mesh_llm.system.blas import prepare_mlx
 
 prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 
@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mesh_llm.engines.base import SamplingParams, Step
-from mesh_llm.engines.mlx_sampling import (
+from mesh_llm.engines.mlx.sampling import (
     RowSettings,
     SequenceSampler,
     mask_array,
@@ -78,7 +78,7 @@ class Launch:
 
     rows: list[Row]
     settings: RowSettings
-    scores: mx.array  # log-probabilities, or logits where no row needs them (mlx_sampling.scores)
+    scores: mx.array  # log-probabilities, or logits where no row needs them (sampling.scores)
     tokens: mx.array  # unconstrained rows' tokens until finish() adds the constrained ones
     subkeys: mx.array | None
     outputs: list[mx.array] = field(default_factory=list)  # set by finish()

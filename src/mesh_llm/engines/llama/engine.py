@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from mesh_llm import native
+from mesh_llm.system import native
 
 if problem := native.llama_load_problem():  # a build that would crash here: say why instead
     raise ImportError(problem)
@@ -35,7 +35,7 @@ if problem := native.llama_load_problem():  # a build that would crash here: say
 import llama_cpp.llama_cpp as ll  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mesh_llm.engines import llama_cache
+from mesh_llm.engines.llama import cache as llama_cache
 from mesh_llm.engines.base import (
     GPU_PREFILL_CHUNKS,
     PREFILL_STEP,
@@ -49,19 +49,19 @@ from mesh_llm.engines.base import (
     fit_context,
     warm_up_before_ready,
 )
-from mesh_llm.engines.llama_batch import Batch, Sampler, Slot, cells_in_use, plan_pool
-from mesh_llm.engines.llama_cache import RECOMPUTE, SequenceState, batch_ends, common_prefix, next_chunk
-from mesh_llm.engines.llama_gguf import check_gguf, resolve
-from mesh_llm.engines.llama_native import (
+from mesh_llm.engines.llama.batch import Batch, Sampler, Slot, cells_in_use, plan_pool
+from mesh_llm.engines.llama.cache import RECOMPUTE, SequenceState, batch_ends, common_prefix, next_chunk
+from mesh_llm.engines.llama.gguf import check_gguf, resolve
+from mesh_llm.system.llama_lib import (
     NATIVE_LOG,
     amx_in_use,
     backend_name,
     gpu_free_memory,
     kv_cell_bytes,
 )
-from mesh_llm.engines.llama_tokenizer import LlamaTokenizer
+from mesh_llm.engines.llama.tokenizer import LlamaTokenizer
 from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
-from mesh_llm.machine import physical_cores
+from mesh_llm.system.machine import physical_cores
 
 log = logging.getLogger(__name__)
 
@@ -590,7 +590,7 @@ class LlamaEngine(Engine):
         return self._pool - cells_in_use(self._holders())
 
     def _checkpoint(self, slot: Slot) -> None:
-        """Store a recurrent or sliding-window sequence's state at the prefill marks (see llama_cache)."""
+        """Store a recurrent or sliding-window sequence's state at the prefill marks (see cache.py)."""
         end, stop = len(slot.held), len(slot.prompt)
         if (self._checkpoints and self._caching and slot.exact == end <= stop
                 and (end % self._step == 0 or end == stop - RECOMPUTE)):

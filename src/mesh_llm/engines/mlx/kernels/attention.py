@@ -7,7 +7,7 @@ array, so a masked step falls back to separate kernels per layer (scores, mask, 
 a batch of 2 steps at 7.2 ms against 4.2 ms for one row (Qwen2.5-0.5B shape, H200, 2026-12-03). :func:`decode_attention` is that fused kernel with each row's start
 as an input: one thread block per (row, query head), 8 or 32 warps walking the row's keys with an
 online softmax, merged at the end; compiled once per shape and GPU architecture and kept on disk
-(:mod:`mesh_llm.engines.nvrtc`). :func:`install` routes mlx-lm's attention to it for exactly that
+(:mod:`mesh_llm.engines.mlx.kernels.nvrtc`). :func:`install` routes mlx-lm's attention to it for exactly that
 case (one query per row, a ``BatchKVCache``, head size 64/96/128/256, no attention sinks, on CUDA,
 on an architecture whose decode masks are known to be left padding alone: ``_VETTED``), and a prompt
 chunk read under :func:`keys_in_steps` to :func:`prefill_in_steps`; every other call stays mlx-lm's.
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mesh_llm.engines import nvrtc
+from mesh_llm.engines.mlx.kernels import nvrtc
 
 # Warps a (row, head) block walks its keys with: 32 where the blocks are too few to fill an H200's 132
 # multiprocessors (one row: 14 blocks on Qwen2.5-0.5B, 28 on 7B, where 8 warps took 72 and 78 us a
@@ -38,7 +38,7 @@ _VETTED = frozenset({"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3"
                      "olmo2", "smollm3"})
 
 # Written against no header (16-bit floats converted by hand: ``nvrtc.TYPES``) so that NVRTC compiles
-# it in a moment, once per architecture, and the binary is kept on disk (engines/nvrtc.py). Rows are
+# it in a moment, once per architecture, and the binary is kept on disk (engines/mlx/kernels/nvrtc.py). Rows are
 # contiguous (B, heads, capacity, D) buffers; row b reads positions starts[b] .. LENGTH - 1.
 _SOURCE = """
 extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts, T* out,

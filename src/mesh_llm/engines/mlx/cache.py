@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from mesh_llm.engines.mlx_blas import prepare_mlx
+from mesh_llm.system.blas import prepare_mlx
 
 prepare_mlx()  # before mlx and mlx-lm are first imported in the process
 

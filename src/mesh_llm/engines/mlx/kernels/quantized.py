@@ -19,7 +19,7 @@ TB/s on the 7B's gate/up, down and output-layer products at 1-8 rows (38, 24 and
 rows). :func:`qmv` (CUDA cores, 4 or 8 bits, any float type, 1-8 rows) serves what qmm does not:
 each warp a few output rows, its lanes walking the inputs 16 values at a time, summed in float32 as
 ``scale * dot(x, q) + bias * sum(x)``. Both are written against no header, compiled once per shape
-and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.nvrtc`), as the decode
+and GPU architecture by NVRTC and kept on disk (:mod:`mesh_llm.engines.mlx.kernels.nvrtc`), as the decode
 attention is. A call of either costs the host more than one of MLX's own, which is why one row, and
 small weights, stay MLX's. A prompt's chunk of ``DEQUANTIZED_ROWS`` or more goes through the
 dequantized weights and a 16-bit product. :func:`install` routes a model's ``QuantizedLinear`` and
@@ -33,8 +33,8 @@ import functools
 import mlx.core as mx
 from mlx import nn
 
-from mesh_llm.engines import nvrtc
-from mesh_llm.engines.mlx_attention import on_cuda
+from mesh_llm.engines.mlx.kernels import nvrtc
+from mesh_llm.engines.mlx.kernels.attention import on_cuda
 
 _GROUP_SIZES = (32, 64, 128)
 _LANE = 16  # values a lane reads at a time (8 bytes at 4 bits, 16 at 8), within one group
