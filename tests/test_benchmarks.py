@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("*.py"))
 SHELL = sorted(BENCHMARKS.glob("*.sh"))

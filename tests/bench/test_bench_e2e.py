@@ -13,6 +13,8 @@ from support import processes_using
 
 from mesh_llm import children
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 BACKENDS = ["mesh-mlx", "mesh-llama", "mlx-lm", "llama-cpp-python"]
 CASES = [
     {"name": "hello", "user": "Say hello."},

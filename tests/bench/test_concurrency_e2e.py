@@ -14,6 +14,8 @@ from matplotlib.image import imread
 from mesh_llm.bench.backends import mesh_takes_max_batch
 from support import processes_using
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 BACKENDS = ["mesh-llama", "mesh-mlx"]
 LEVELS = [1, 2]
 RUNS, MAX_TOKENS, PROMPT_TOKENS = 2, 4, 64

@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 MSG = [{"role": "user", "content": "Hi"}]
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"

@@ -19,6 +19,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 TIE = 0.1  # nats between the best two tokens, under which batching may pick the other one
 
 

@@ -12,6 +12,8 @@ import pytest
 from mesh_llm import children
 from support import free_port
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 
 def mesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return children.run([sys.executable, "-m", "mesh_llm", *args], capture_output=True, text=True,

@@ -10,6 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from openai import OpenAI
+import pytest
+
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello in French.", "Describe the moon briefly.",

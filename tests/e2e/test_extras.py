@@ -10,9 +10,12 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from support import free_port, start_server
 
 from mesh_llm import children
+
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 
 BLOCKER = '''
 import importlib.abc, os, sys

@@ -12,6 +12,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT = 60  # the old llama engine took more than ten minutes on the chat below
 LONG_TIMEOUT = 600  # a prompt that fits is read, however slow the machine

@@ -12,6 +12,8 @@ from openai import OpenAI
 
 from support import serve_errors
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "kv-test-key"
 # The embedded model's KV: 23 KB a token on the llama engine (float16 cells), 46 KB on MLX (float32

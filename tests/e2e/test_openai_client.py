@@ -6,6 +6,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 

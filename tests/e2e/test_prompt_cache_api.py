@@ -13,6 +13,8 @@ from openai import OpenAI
 from mesh_llm.cli import parse_bytes
 from support import serve_errors
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "cache-test-key"
 

@@ -11,6 +11,8 @@ from openai import OpenAI
 from pydantic import BaseModel
 from structured_cases import SCHEMAS
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 _whole: dict[tuple[str, str], str] = {}
 

@@ -12,6 +12,8 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 40},

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 pytest.importorskip("llama_cpp")
 
 import gguf

@@ -22,6 +22,8 @@ import random
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineError, EngineOptions, NoCapacity, SamplingParams, Step

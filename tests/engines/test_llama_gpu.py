@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.gpu("llama")
+pytestmark = [pytest.mark.slow, pytest.mark.gpu("llama")]
 
 GGUF = os.environ.get("MESH_LLM_GPU_GGUF")
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams

@@ -14,7 +14,7 @@ from batch_runs import log_softmax
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]
 
 
 TEXT = ("The library opens at nine in the morning and closes at six in the evening. On weekends it "
@@ -230,7 +230,7 @@ def test_the_decode_attention_binary_is_kept_on_disk_and_loaded_without_a_compil
     import mlx.core as mx
 
     from mesh_llm.engines.mlx.kernels import attention as mlx_attention
-from mesh_llm.engines.mlx.kernels import nvrtc
+    from mesh_llm.engines.mlx.kernels import nvrtc
     from mesh_llm.engines.mlx.kernels.attention import decode_attention, kernel_source
 
     if not mx.cuda.is_available():

@@ -10,6 +10,8 @@ import pytest
 from mesh_llm.engines import engine_class, is_installed
 from mesh_llm.engines.base import EngineOptions
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 if not is_installed("mlx"):  # checked without importing mlx.core, which must come after the BLAS fix
     pytest.skip("the mlx extra is not installed", allow_module_level=True)
 

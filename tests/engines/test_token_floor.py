@@ -16,6 +16,8 @@ from mesh_llm.engines.hf_tokenizer import HFTokenizer
 from mesh_llm.engines.token_floor import TokenFloor
 from mesh_llm.models.gguf_tokenizer import build_tokenizer
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 PIECES = ["hello", " world", "\n", "\n\n", " ", "  ", "\t", "é", "e\u0301", "漢字", "😀", "\U00040000", "123",
           "<", ">", "|", "<|", "|>", "[", "]", "</", "x", "\x04", " <", "> ", "user", "\r\n"]
 

@@ -11,6 +11,8 @@ import httpx
 import pytest
 from mesh_nodes import chat, served_models, wait_for
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 REPLICAS = ("replica-1", "replica-2")
 
 

@@ -11,6 +11,8 @@ import uuid
 import pytest
 from mesh_nodes import chat, mesh_view, served_models, wait_for
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 zeroconf = pytest.importorskip("zeroconf", reason="--discover needs the mesh extra (zeroconf)")
 
 

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from mesh_nodes import PEER, SilentPeer, chat, mesh_view, served_models, wait_for
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 FIRST_BYTE_TIMEOUT = 2.0
 IDLE_TIMEOUT = 2.0  # w's --stream-idle-timeout; under the 4 s after which a silent node is marked down
 

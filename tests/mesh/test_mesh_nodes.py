@@ -14,6 +14,8 @@ import pytest
 from mesh_nodes import PEER, TOKEN, chat, mesh_view, served_models, wait_for
 from openai import OpenAI
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 ALIASES = {"alpha": "node-a", "beta": "node-b", "gamma": "node-c"}
 KEY_A, KEY_ENTRY = "key-of-node-a", "key-of-the-entry"
 

@@ -24,6 +24,8 @@ from mesh_llm.models import (
 )
 from mesh_llm.models import default as default_module
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MLX_FOLDER = "SmolLM2-135M-Instruct-mlx"
 

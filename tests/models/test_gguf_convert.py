@@ -27,6 +27,8 @@ from tokenizers import Tokenizer
 
 from mesh_llm.models.gguf_tokenizer import build_tokenizer
 
+pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
+
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 128}
 HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LAYER = {  # GGUF block tensor -> Hugging Face module (gguf-py's tensor map)
