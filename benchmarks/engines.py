@@ -27,9 +27,9 @@ import statistics
 import time
 from pathlib import Path
 
-import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before numpy, mesh_llm/system/native.py)
 import numpy as np
 
+import mesh_llm  # noqa: F401, I001  (first: it loads a CUDA llama.cpp before numpy, mesh_llm/system/native.py)
 from mesh_llm.engines import engine_class
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from support import Server, live_children, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach the network

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mesh_llm.engines.base import Engine, EngineError, EngineInfo, EngineOptions, Plan, SamplingParams, Step
+from mesh_llm.runtime.scheduler import common_prefix
 
 # A byte-level vocabulary: ids 0-255 are bytes, then the specials.
 BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
@@ -159,7 +160,7 @@ class FakeEngine(Engine):
     def reusable(self, seq) -> int:
         prompt = self.seqs[seq].prompt
         held = [s.state for s in self.seqs.values() if s.state] + self.stored
-        return max((min(_common(h, prompt), len(prompt) - 1) for h in held), default=0)
+        return max((min(common_prefix(h, prompt), len(prompt) - 1) for h in held), default=0)
 
     def begin(self, seq) -> int:
         s = self.seqs[seq]
@@ -232,12 +233,3 @@ class FakeEngine(Engine):
             params.constraint.advance(token)
         s.next = token
         return Step(token, logprob=-0.5 if params.logprobs is not None else None)
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import uvicorn
-from fake_engine import FakeEngine
 
+from fake_engine import FakeEngine
 from mesh_llm.api.app import ServedModel, create_app
 from mesh_llm.runtime.worker import ModelWorker
 

@@ -85,7 +85,7 @@ def test_import_mesh_llm_loads_such_a_build_before_any_cxx_library(risky_build):
     made the early load 0.44 s on the GPU host, and a restart for MLX pays it for nothing."""
     done = python("import mesh_llm, sys\n"
                   "from pathlib import Path\n"
-                  "from mesh_llm import native\n"
+                  "from mesh_llm.system import native\n"
                   "maps = Path('/proc/self/maps').read_text()\n"
                   "print(native._state, 'libllama.so' in maps, 'llama_cpp' in sys.modules, 'numpy' in sys.modules)\n"
                   "from mesh_llm.engines.llama.engine import LlamaEngine\n"
@@ -115,7 +115,7 @@ def test_an_engine_that_would_crash_in_this_order_refuses_with_the_reason(risky_
 
 
 def test_the_early_load_can_be_turned_off(risky_build):
-    done = subprocess.run([sys.executable, "-c", "import mesh_llm, sys; from mesh_llm import native; "
+    done = subprocess.run([sys.executable, "-c", "import mesh_llm, sys; from mesh_llm.system import native; "
                            "print(native._state, 'llama_cpp' in sys.modules)"], capture_output=True, text=True,
                           env={**os.environ, "LLAMA_CPP_LIB_PATH": str(risky_build), "MESH_LLM_LLAMA_FIRST": "0"},
                           timeout=120)

@@ -17,8 +17,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mesh_llm.system import native
 from mesh_llm.bench.cli import bench_command
+from mesh_llm.system import native
 
 app = typer.Typer(help="Serve LLMs from MLX and llama.cpp engines behind one OpenAI-compatible API.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -295,8 +295,8 @@ def models_import_gguf(
         engine_class("mlx")  # the import uses MLX to read GGUF tensors
     except EngineError as exc:
         raise fail(str(exc)) from None
-    from mesh_llm.system.blas import ensure_fast_blas
     from mesh_llm.models.gguf_convert import GGUFConvertError, import_gguf
+    from mesh_llm.system.blas import ensure_fast_blas
 
     ensure_fast_blas()
     if out_dir.exists():

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mesh_llm.system import native
 from mesh_llm.engines import choose_engine, engine_class
 from mesh_llm.engines.base import Engine, EngineError, EngineOptions
+from mesh_llm.system import native
 
 if TYPE_CHECKING:
     from mesh_llm.api.app import ServedModel

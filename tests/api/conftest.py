@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from fake_engine import FakeEngine
 from in_process import InProcessServer, serve_fake
 

@@ -9,8 +9,9 @@ import time
 import httpx
 import openai
 import pytest
-from in_process import MODEL, serve_fake
+
 from fake_engine import FakeEngine
+from in_process import MODEL, serve_fake
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

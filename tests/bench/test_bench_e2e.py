@@ -9,9 +9,8 @@ import sys
 import pytest
 from matplotlib.image import imread
 
-from support import processes_using
-
 from mesh_llm import children
+from support import processes_using
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 

@@ -9,8 +9,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from openai import OpenAI
 import pytest
+from openai import OpenAI
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 

@@ -11,9 +11,9 @@ import sys
 
 import httpx
 import pytest
-from support import free_port, start_server
 
 from mesh_llm import children
+from support import free_port, start_server
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import free_port
 
 from mesh_llm import children
+from support import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow  # real servers or real models: `make check` leave
 pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineError, EngineOptions, NoCapacity, SamplingParams, Step
-from mesh_llm.engines.llama.engine import LlamaEngine
 from mesh_llm.engines.llama.cache import RECOMPUTE
+from mesh_llm.engines.llama.engine import LlamaEngine
 from mesh_llm.runtime.chat import encode_chat
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow  # real servers or real models: `make check` leave
 pytest.importorskip("llama_cpp")
 
 from mesh_llm.engines.base import EngineOptions, SamplingParams
-from mesh_llm.engines.llama.engine import LlamaEngine
 from mesh_llm.engines.llama.cache import RECOMPUTE, batch_ends, next_chunk
+from mesh_llm.engines.llama.engine import LlamaEngine
 from support import run_until_eos
 from tiny_gguf import KINDS as TINY_KINDS
 from tiny_gguf import VOCAB as TINY_VOCAB

@@ -164,8 +164,8 @@ def test_sequences_preempted_on_the_gpu_answer_as_alone(checkpoints, monkeypatch
 
     from batch_runs import Case, compare, run_alone
 
-    from mesh_llm.engines.mlx.engine import MLXEngine
     from mesh_llm.engines.mlx.cache import Footprint
+    from mesh_llm.engines.mlx.engine import MLXEngine
 
     for name, path, tolerance in _batch_models(checkpoints):
         alone_engine = MLXEngine.load(path, EngineOptions(ctx_size=1024, prefill_step=64, cache_bytes=0))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support import Server, free_port, start_server
 
 TOKEN = "mesh-test-token-0123456789abcdef"

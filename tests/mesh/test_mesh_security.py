@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from mesh_nodes import LEAN, TOKEN, chat
+
 from support import free_port, start_server
 
 

@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 from mesh_nodes import LEAN, TOKEN, start_tls_server, wait_for
+
 from support import free_port
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out

@@ -9,8 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from mesh_llm.runtime.constrain import GrammarError, Grammars, closed_objects, json_schema_grammar, \
-    lark_grammar
+from mesh_llm.runtime.constrain import (
+    GrammarError,
+    Grammars,
+    closed_objects,
+    json_schema_grammar,
+    lark_grammar,
+)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
     "enum": ["a", "b"]}}, "score": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["name"]}

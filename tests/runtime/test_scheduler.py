@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_engine import FakeEngine, next_token
 
+from fake_engine import FakeEngine, next_token
 from mesh_llm.engines.base import EngineError, NoCapacity, SamplingParams
 from mesh_llm.runtime.scheduler import common_prefix
 

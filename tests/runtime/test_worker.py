@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-from fake_engine import FakeEngine
 
+from fake_engine import FakeEngine
 from mesh_llm.engines.base import EngineOptions, SamplingParams
 from mesh_llm.runtime.worker import (
     SHUTDOWN_MESSAGE,

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, \
-    field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 from mesh_llm.api.errors import APIError, unsupported
 from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, RequestBody, check_tool_choice, refused

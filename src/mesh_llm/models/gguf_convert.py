@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from mesh_llm.system.blas import ensure_fast_blas
 from mesh_llm.models.gguf_tokenizer import build_tokenizer, eos_token_ids
+from mesh_llm.system.blas import ensure_fast_blas
 
 ensure_fast_blas()  # before mlx.core's first import, or MLX in this process keeps the slow reference BLAS
 import mlx.core as mx

@@ -32,6 +32,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
+
 class NoCapacity(Exception):
     """The sequence cannot be admitted now (every slot, or the memory its claim needs, is in use); it
     waits, and is offered again once a sequence has ended."""
@@ -141,14 +144,13 @@ class _Sequence:
         return self.started and self.computed >= len(self.prompt)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens ``a`` and ``b`` (lists or arrays) share, up to ``limit``."""
+    n = max(0, min(len(a), len(b), len(a) if limit is None else limit))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 class Scheduler:

@@ -13,8 +13,13 @@ from typing import Any, Literal
 
 from mesh_llm.engines.base import Tokenizer
 from mesh_llm.runtime.chat import encode_chat
-from mesh_llm.runtime.constrain import GrammarConstraint, GrammarError, check_grammar, grammars_for, \
-    json_schema_grammar
+from mesh_llm.runtime.constrain import (
+    GrammarConstraint,
+    GrammarError,
+    check_grammar,
+    grammars_for,
+    json_schema_grammar,
+)
 from mesh_llm.runtime.tool_formats import Function, Parser, format_for
 
 

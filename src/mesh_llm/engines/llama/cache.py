@@ -102,13 +102,6 @@ def restore(ctx: ll.llama_context_p, seq: int, blob: np.ndarray, n: int) -> None
         raise EngineError(f"llama.cpp cannot cut a cached prompt state back to {n} tokens")
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens two int32 arrays share."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
 def _pointer(blob: np.ndarray):
     return blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 

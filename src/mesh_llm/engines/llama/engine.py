@@ -35,7 +35,6 @@ if problem := native.llama_load_problem():  # a build that would crash here: say
 import llama_cpp.llama_cpp as ll  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mesh_llm.engines.llama import cache as llama_cache
 from mesh_llm.engines.base import (
     GPU_PREFILL_CHUNKS,
     PREFILL_STEP,
@@ -49,9 +48,13 @@ from mesh_llm.engines.base import (
     fit_context,
     warm_up_before_ready,
 )
+from mesh_llm.engines.llama import cache as llama_cache
 from mesh_llm.engines.llama.batch import Batch, Sampler, Slot, cells_in_use, plan_pool
-from mesh_llm.engines.llama.cache import RECOMPUTE, SequenceState, batch_ends, common_prefix, next_chunk
+from mesh_llm.engines.llama.cache import RECOMPUTE, SequenceState, batch_ends, next_chunk
 from mesh_llm.engines.llama.gguf import check_gguf, resolve
+from mesh_llm.engines.llama.tokenizer import LlamaTokenizer
+from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
+from mesh_llm.runtime.scheduler import common_prefix
 from mesh_llm.system.llama_lib import (
     NATIVE_LOG,
     amx_in_use,
@@ -59,8 +62,6 @@ from mesh_llm.system.llama_lib import (
     gpu_free_memory,
     kv_cell_bytes,
 )
-from mesh_llm.engines.llama.tokenizer import LlamaTokenizer
-from mesh_llm.engines.prompt_cache import PromptCache, available_memory, default_cache_bytes
 from mesh_llm.system.machine import physical_cores
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,6 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mesh_llm.system import native
-from mesh_llm.engines.mlx.kernels import attention as mlx_attention
 from mesh_llm.engines.base import (
     PREFILL_STEP,
     TYPICAL_SEQUENCE,
@@ -54,9 +52,12 @@ from mesh_llm.engines.base import (
 from mesh_llm.engines.hf_tokenizer import first_line
 from mesh_llm.engines.mlx.batch import DecodeGroup, Row, batch_rows, first_positions, kv_copies, row_index
 from mesh_llm.engines.mlx.cache import Footprint, Frozen, free_memory, needs_checkpoints, unbatchable
+from mesh_llm.engines.mlx.kernels import attention as mlx_attention
 from mesh_llm.engines.mlx.load import cuda_settings, load_any, on_gpu, text_config
 from mesh_llm.engines.mlx.sampling import SequenceSampler
 from mesh_llm.engines.prompt_cache import PromptCache, default_cache_bytes
+from mesh_llm.runtime.scheduler import common_prefix
+from mesh_llm.system import native
 from mesh_llm.system.machine import physical_cores
 
 log = logging.getLogger(__name__)
@@ -552,7 +553,7 @@ class MLXEngine(Engine):
             if other is s or (other.group is None and other.cache is None):
                 continue
             held = other.state_tokens()
-            n = _common_prefix(other.tokens, s.prompt, min(held, len(s.prompt) - 1))
+            n = common_prefix(other.tokens, s.prompt, min(held, len(s.prompt) - 1))
             if n > length:
                 best, length = other, n
         return best, length
@@ -658,14 +659,6 @@ class MLXEngine(Engine):
             s.alive = False
         self._seqs.clear()
         self._groups.clear()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = max(0, min(limit, len(a), len(b)))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
 
 
 def _kv_prefixes(caches: list[Any], n: int) -> list[KVCache]:

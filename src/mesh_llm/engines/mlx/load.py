@@ -33,8 +33,8 @@ from mlx.utils import tree_flatten
 
 from mesh_llm.engines.base import EngineError, EngineOptions
 from mesh_llm.engines.hf_tokenizer import HFTokenizer, first_line
-from mesh_llm.engines.mlx.projections import fuse_projections
 from mesh_llm.engines.mlx.kernels.quantized import install as quantized_decode
+from mesh_llm.engines.mlx.projections import fuse_projections
 from mesh_llm.models.spec import home_dir
 
 log = logging.getLogger(__name__)

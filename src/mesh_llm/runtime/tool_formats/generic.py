@@ -11,8 +11,17 @@ import re
 from typing import Any
 
 from mesh_llm.runtime.constrain import json_schema_grammar
-from mesh_llm.runtime.tool_formats.base import CallList, CallStream, Content, Event, Function, \
-    JsonScanner, JsonStringStream, any_of, openai_call_id
+from mesh_llm.runtime.tool_formats.base import (
+    CallList,
+    CallStream,
+    Content,
+    Event,
+    Function,
+    JsonScanner,
+    JsonStringStream,
+    any_of,
+    openai_call_id,
+)
 
 _KEY = re.compile(r'\s*\{\s*"(tool_calls|tool_call|response)"\s*:\s*')
 _OPENING = re.compile(r'\s*(?:\{\s*(?:"\w*"?\s*)?)?')  # what could still become the envelope

@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
-from mesh_llm.runtime.tool_formats.base import CallStream, Content, Event, Function, MarkerText, any_of, \
-    openai_call_id
+from mesh_llm.runtime.tool_formats.base import (
+    CallStream,
+    Content,
+    Event,
+    Function,
+    MarkerText,
+    any_of,
+    openai_call_id,
+)
 from mesh_llm.runtime.tool_formats.native import NativeFormat
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

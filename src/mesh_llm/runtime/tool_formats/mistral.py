@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import json
 
-from mesh_llm.runtime.tool_formats.base import CallList, Content, Event, Function, JsonScanner, \
-    MarkerText, any_of, short_call_id
+from mesh_llm.runtime.tool_formats.base import (
+    CallList,
+    Content,
+    Event,
+    Function,
+    JsonScanner,
+    MarkerText,
+    any_of,
+    short_call_id,
+)
 from mesh_llm.runtime.tool_formats.native import NativeFormat
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
