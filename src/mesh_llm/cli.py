@@ -88,7 +88,8 @@ def serve(
     quantize: Optional[int] = typer.Option(None, help="4 or 8: quantize on load (MLX on a GPU)."),
     alias: list[str] = typer.Option([], help="Id to serve each --model under, in order."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: physical cores)."),
-    max_queue: int = typer.Option(64, help="Requests that may wait per model before 429."),
+    max_queue: int = typer.Option(
+        64, help="Requests that may wait per model beyond its free batch slots before a 429 (0: none wait)."),
     max_batch: Optional[int] = typer.Option(None, help="Sequences decoded together per model "
                                             "(default: chosen from the device and its memory)."),
     prefill_step: Optional[int] = typer.Option(None, envvar="MESH_LLM_PREFILL_STEP", help="Most prompt "

@@ -141,6 +141,35 @@ def test_a_full_queue_refuses_at_once():
         w.submit(GenerationRequest([1, 2], GREEDY, 2), Collector())
 
 
+def test_with_max_queue_0_a_burst_as_large_as_the_batch_is_all_served_and_one_more_refused():
+    w = make_worker(max_batch=4, max_queue=0, step_s=0.005)
+    try:
+        collectors = [Collector() for _ in range(4)]
+        for i, c in enumerate(collectors):  # all at once: none has a slot yet when the next comes
+            w.submit(request(w, f"Story {i}:", max_tokens=40, ignore_eos=True), c)
+        with pytest.raises(QueueFull):
+            w.submit(request(w, "One too many", max_tokens=2), Collector())
+        for c in collectors:
+            assert c.final.finish_reason == "length" and c.final.usage.completion_tokens == 40
+    finally:
+        w.stop()
+
+
+def test_retry_after_grows_with_the_requests_ahead():
+    waits = {}
+    for max_queue in (1, 3):
+        w = make_worker(max_batch=1, max_queue=max_queue, step_s=0.01)
+        try:
+            for i in range(1 + max_queue):  # one running, the rest waiting
+                w.submit(request(w, f"Story {i}:", max_tokens=500, ignore_eos=True), Collector())
+            with pytest.raises(QueueFull) as info:
+                w.submit(request(w, "Hi", max_tokens=2), Collector())
+            waits[max_queue] = info.value.retry_after
+        finally:
+            w.stop()
+    assert 1 <= waits[1] < waits[3]
+
+
 def test_a_model_that_fails_to_load_reports_why(tmp_path):
     from mesh_llm.engines.llama.engine import LlamaEngine
 

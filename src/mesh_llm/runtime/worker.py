@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import sys
 import threading
@@ -169,6 +170,7 @@ class _Sequence:
         self.count = 0
         self.cached = 0
         self.first_at: float | None = None
+        self.admitted = time.perf_counter()
         self.error: str | None = None  # why it ends in an error
 
     def usage(self, now: float) -> Usage:
@@ -212,7 +214,9 @@ class ModelWorker:
                  prefill_budget: int | None = None):
         self.name = name
         self._load = load
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
+        self._max_queue = max_queue  # requests that may wait beyond the batch's free slots
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._submit_lock = threading.Lock()
         self._prefill_budget = prefill_budget  # None: the engine's prefill step
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -259,6 +263,11 @@ class ModelWorker:
         return {"active": len(self._active), "waiting": self._queue.qsize() + len(self._pending),
                 "max_batch": engine.max_batch if engine is not None else 0}
 
+    def _held(self) -> int:
+        """Requests submitted and not yet ended: running, or waiting for a slot. Read from any
+        thread: a job moving between the three is briefly counted once too few, never twice."""
+        return len(self._active) + len(self._pending) + self._queue.qsize()
+
     def stop(self, timeout: float = 30) -> None:
         """End every generation (running ones and waiting ones are answered with an error chunk),
         then close the engine."""
@@ -295,10 +304,12 @@ class ModelWorker:
         if not self.ready or self._stopping.is_set():
             raise WorkerNotReady(f"model {self.name!r} is not loaded")
         job = _Job(request, deliver, handover)
-        try:
+        with self._submit_lock:
+            beyond = self._held() - self._engine.max_batch  # held requests no free slot takes
+            if beyond >= self._max_queue:
+                # a slot frees about every ``_avg_job_s``: this one would wait for beyond + 1 of them
+                raise QueueFull(retry_after=max(1, math.ceil((beyond + 1) * self._avg_job_s)))
             self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(retry_after=max(1, round(self._avg_job_s))) from None
         self._wake.set()
 
         def cancel() -> None:
@@ -465,8 +476,9 @@ class ModelWorker:
             self._engine.remove(seq)
         except Exception:  # the sequence is over either way
             log.exception("%s: remove failed", self.name)
-        elapsed = now - s.job.submitted
-        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * elapsed / max(1, self._engine.max_batch)
+        # with the batch full, a slot frees about every (time in the engine) / max_batch seconds
+        served = now - s.admitted
+        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * served / max(1, self._engine.max_batch)
         log.info("%s prompt=%d cached=%d completion=%d ttft=%.3fs decode=%.1f tok/s finish=%s",
                  self.name, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
                  usage.ttft_s, usage.decode_tps, finish)
