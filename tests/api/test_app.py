@@ -4,6 +4,7 @@ limit and a client that leaves. What the real engines add is tested in tests/e2e
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import time
 
 import httpx
@@ -77,6 +78,25 @@ def test_an_api_key_guards_every_v1_route():
             openai_client(server, api_key="wrong").models.list()
         assert [m.id for m in openai_client(server, api_key="sesame").models.list()] == [MODEL]
         assert httpx.get(server.url + "/health").status_code == 200  # for load balancers
+
+
+def test_the_key_is_checked_before_the_body_is_read():
+    """A client without the key is refused from its headers: a 4 MB body it has not sent yet is not
+    waited for, and malformed JSON gets 401, not 400 (no parsing for strangers)."""
+    with serve_fake(api_key="sesame") as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 4000000\r\n\r\n")
+            answer = conn.recv(65536).decode("latin-1")  # would time out if the body were awaited
+        assert answer.startswith("HTTP/1.1 401"), answer
+        assert '"invalid_api_key"' in answer
+        bad = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                         headers={"content-type": "application/json"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        right = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                           headers={"content-type": "application/json", "authorization": "Bearer sesame"})
+        assert right.status_code == 400
 
 
 def test_a_full_queue_answers_429_with_retry_after():

@@ -7,10 +7,11 @@ import hmac
 import logging
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.chat_tools import chat_plan
@@ -49,15 +50,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     app.state.models = by_id
     _install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
-
-    async def require_key(request: Request) -> None:
-        if api_key is None or request.scope.get(PEER_SCOPE_KEY):  # the entry node checked the client
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    if api_key is not None:  # outermost: checked before any body is read
+        app.add_middleware(_RequireKey, api_key=api_key)
 
     def lookup(model_id: str) -> ServedModel:
         served = by_id.get(model_id)
@@ -75,24 +69,24 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_json(m) for m in by_id.values()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)])
+    @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
         if model_id not in by_id:
             raise APIError(404, f"the model '{model_id}' does not exist; available: {', '.join(by_id)}",
                            param="model", code="model_not_found")
         return _model_json(by_id[model_id])
 
-    @app.get("/api/cache", dependencies=[Depends(require_key)])
+    @app.get("/api/cache")
     async def cache_stats() -> dict:
         """Each model's prompt cache: entries, bytes, hits, misses, tokens reused, evictions."""
         return {"data": [{"model": m.id, "engine": m.worker.info.engine if m.worker.info else None,
                           **m.worker.cache_stats()} for m in by_id.values()]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = lookup(body.model)
         with served.worker.arriving() as arrival:
@@ -103,7 +97,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             return await _complete(served, body, plan.prompt, logprobs, "chat", request, arrival, plan)
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = lookup(body.model)
         if (name := body.refused_field()) is not None:
@@ -112,7 +106,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             ids = await _prompt_ids(served, body)
             return await _complete(served, body, ids, body.logprobs, "text", request, arrival)
 
-    install_responses(app, lookup, require_key)
+    install_responses(app, lookup)
     return app
 
 
@@ -222,6 +216,32 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _union_branch(part) -> bool:
     """A location part naming the branch of a union pydantic tried (``str``, ``list[TextPart]``)."""
     return isinstance(part, str) and (part.endswith("]") or part in ("str", "int", "float", "bool", "dict", "list"))
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """``Authorization: Bearer KEY``, compared in constant time."""
+    header = authorization or ""
+    given = header[7:] if header.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+class _RequireKey:
+    """Answers 401 from the headers alone, before a body is read or parsed: a client without the key
+    costs the server nothing however large its body. ``/health`` stays open; a request a mesh peer
+    forwarded (``PEER_SCOPE_KEY``) was checked by the node that took it."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app, api_key: str):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN or scope.get(PEER_SCOPE_KEY):
+            return await self.app(scope, receive, send)
+        if not bearer_matches(Headers(scope=scope).get("authorization"), self.api_key):
+            return await error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                        code="invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _BodyLimit:

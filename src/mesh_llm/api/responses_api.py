@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 
 from mesh_llm.api.chat_tools import make_plan
 from mesh_llm.api.errors import APIError
@@ -28,8 +28,8 @@ _FIELDS = {"messages": "input", "tools": "tools", "tool_choice": "tool_choice", 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def install_responses(app: FastAPI, lookup: Callable, require_key: Callable) -> None:
-    @app.post("/v1/responses", dependencies=[Depends(require_key)])
+def install_responses(app: FastAPI, lookup: Callable) -> None:
+    @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         served = lookup(body.model)
         body.check_served()

@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mesh_llm.api.app import bearer_matches
 from mesh_llm.api.errors import APIError, error_response
 from mesh_llm.mesh.records import Heartbeat, Leave
-from mesh_llm.mesh.security import TOKEN_HEADER, bearer_matches, token_matches
+from mesh_llm.mesh.security import TOKEN_HEADER, token_matches
 
 MAX_PEER_BODY = 1024 * 1024
 log = logging.getLogger("mesh_llm.mesh")

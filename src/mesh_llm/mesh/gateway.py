@@ -17,13 +17,13 @@ import logging
 
 from starlette.datastructures import Headers
 
-from mesh_llm.api.app import PEER_SCOPE_KEY
+from mesh_llm.api.app import PEER_SCOPE_KEY, bearer_matches
 from mesh_llm.api.errors import error_response
 from mesh_llm.mesh.api import control_app, is_control
 from mesh_llm.mesh.node import MeshNode
 from mesh_llm.mesh.proxy import Answer, ClientGone, Failure, attempt, forward_headers, verdict
 from mesh_llm.mesh.relay import serve_relayed
-from mesh_llm.mesh.security import TOKEN_HEADER, bearer_matches, token_matches
+from mesh_llm.mesh.security import TOKEN_HEADER, token_matches
 
 log = logging.getLogger("mesh_llm.mesh")
 

@@ -15,13 +15,6 @@ def token_matches(given: str | None, token: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
-def bearer_matches(authorization: str | None, key: str) -> bool:
-    """``Authorization: Bearer KEY``, compared in constant time."""
-    header = authorization or ""
-    given = header[7:] if header.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(given.encode(), key.encode())
-
-
 def mesh_id(token: str) -> str:
     """What mDNS announces so nodes with the same token find each other: an HMAC of a fixed label
     under the token, so the token itself never goes on the network in clear."""
