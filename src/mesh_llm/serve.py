@@ -3,7 +3,9 @@ the HTTP server. Every startup problem becomes :class:`StartupError`: one line, 
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import socket
 import ssl
 import threading
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from mesh_llm.runtime.worker import ModelWorker
 
 log = logging.getLogger("mesh_llm.serve")
+SHUTDOWN_GRACE_S = 5  # on SIGTERM or SIGINT, running requests may finish for this long
 
 
 class StartupError(Exception):
@@ -163,9 +166,9 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
             for worker in workers:
                 worker.stop(timeout=5)
             raise
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5, ssl_certfile=config.tls_cert,
-                                           ssl_keyfile=config.tls_key))
+    server = _graceful_server(uvicorn)(
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
+                       ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key), workers)
     failed: list[str] = []
 
     def watch() -> None:
@@ -189,7 +192,42 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
             worker.stop(timeout=5)
     if failed:
         raise StartupError(failed[0])
-    return 0
+    return 130 if server.signalled == signal.SIGINT else 0
+
+
+def _graceful_server(uvicorn):
+    """uvicorn's server, shutting down as the README promises: on SIGTERM or SIGINT it stops
+    accepting, lets running requests finish for ``SHUTDOWN_GRACE_S``, then ends every one still
+    running or waiting properly (the workers answer each with a ``server_shutting_down`` error: a
+    final SSE error event and ``[DONE]``, or a 503), and returns instead of dying by the signal, so
+    that serve()'s cleanup runs and the exit status is 0 (130 after Ctrl-C). A second Ctrl-C quits at
+    once."""
+
+    class GracefulServer(uvicorn.Server):
+        def __init__(self, config, workers: list):
+            super().__init__(config)
+            self._workers = workers
+            self.signalled: int | None = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.signalled = self.signalled or sig
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            loop = asyncio.get_running_loop()
+
+            async def end_the_rest() -> None:
+                await asyncio.sleep(SHUTDOWN_GRACE_S)
+                await loop.run_in_executor(None, lambda: [w.stop(timeout=5) for w in self._workers])
+
+            ender = asyncio.create_task(end_the_rest())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ender.cancel()
+            self._captured_signals.clear()  # uvicorn would raise them again once it returns
+
+    return GracefulServer
 
 
 def check_tls(config: ServeConfig) -> None:

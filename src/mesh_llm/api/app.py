@@ -161,6 +161,8 @@ async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int]
     except GenerationError as exc:
         if exc.rejected:
             raise APIError(400, str(exc), code="invalid_request") from None
+        if exc.shutdown:
+            raise APIError(503, str(exc), code="server_shutting_down") from None
         raise APIError(500, str(exc), code="generation_failed") from None
 
 

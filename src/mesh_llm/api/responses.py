@@ -14,9 +14,18 @@ from mesh_llm.runtime.worker import Chunk, TokenLogprob, Usage
 
 
 class GenerationError(Exception):
-    def __init__(self, message: str, rejected: bool):
-        super().__init__(message)
-        self.rejected = rejected
+    def __init__(self, chunk: Chunk):
+        super().__init__(chunk.error)
+        self.rejected, self.shutdown = chunk.rejected, chunk.shutdown
+
+
+def error_kind(chunk: Chunk) -> tuple[str, str]:
+    """The OpenAI error type and code of a generation's error chunk."""
+    if chunk.rejected:
+        return "invalid_request_error", "invalid_request"
+    if chunk.shutdown:
+        return "server_error", "server_shutting_down"
+    return "server_error", "generation_failed"
 
 
 def sse(payload: dict | str) -> bytes:
@@ -151,7 +160,7 @@ class ResponseBuilder:
         last = Chunk()
         async for last in chunks:
             if last.error:
-                raise GenerationError(last.error, last.rejected)
+                raise GenerationError(last)
             parts.append(last.text)
             all_logprobs.extend(last.logprobs)
         logprobs = self._logprobs(tuple(all_logprobs))
@@ -175,8 +184,8 @@ class ResponseBuilder:
         calls = ToolCalls()
         async for chunk in chunks:
             if chunk.error:
-                kind = "invalid_request_error" if chunk.rejected else "server_error"
-                yield sse({"error": {"message": chunk.error, "type": kind, "param": None, "code": None}})
+                kind, code = error_kind(chunk)
+                yield sse({"error": {"message": chunk.error, "type": kind, "param": None, "code": code}})
                 break
             finish = chunk.finish_reason
             if self.parser is not None:

@@ -116,6 +116,7 @@ class Chunk:
     usage: Usage | None = None
     error: str | None = None
     rejected: bool = False  # the engine refused the request itself (a client error, not a failure)
+    shutdown: bool = False  # ended because the server is shutting down (a 503, not a failure)
 
 
 class Arrival:
@@ -522,7 +523,8 @@ class ModelWorker:
                 break
         for job in jobs:
             if not job.cancelled.is_set():
-                self._send(job, Chunk(finish_reason="error", error=SHUTDOWN_MESSAGE))
+                log.info("%s: a request ended unfinished: %s", self.name, SHUTDOWN_MESSAGE)
+                self._send(job, Chunk(finish_reason="error", error=SHUTDOWN_MESSAGE, shutdown=True))
         try:
             self._engine.close()
         except Exception:
