@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+
 from support import start_server
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
