@@ -4,6 +4,7 @@ limit and a client that leaves. What the real engines add is tested in tests/e2e
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import socket
 import time
 
@@ -126,3 +127,18 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence_at_once():
         while worker.load()["active"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.load()["active"] == 0
+
+
+def test_the_openapi_document_declares_every_error_with_its_body(client):
+    schema = client.get("/openapi.json").json()
+    assert "422" not in json.dumps(schema["paths"]) and "HTTPValidationError" not in json.dumps(schema)
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503"}, path
+        for status, response in responses.items():
+            if status != "200":
+                assert response["content"]["application/json"]["schema"] == {
+                    "$ref": "#/components/schemas/ErrorBody"}
+    error = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
+    assert set(schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404"}

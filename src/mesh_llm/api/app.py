@@ -15,7 +15,14 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.chat_tools import chat_plan
-from mesh_llm.api.errors import APIError, error_response, unsupported
+from mesh_llm.api.errors import (
+    GENERATION_ERRORS,
+    APIError,
+    documented,
+    error_response,
+    unsupported,
+    without_validation_errors,
+)
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import GenerationError, ResponseBuilder
 from mesh_llm.api.responses_api import install_responses
@@ -63,30 +70,30 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
                            code="model_loading")
         return served
 
-    @app.get("/health")
+    @app.get("/health", responses=documented(503))
     async def health() -> JSONResponse:
         if all(m.worker.ready for m in by_id.values()):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=documented(401))
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_json(m) for m in by_id.values()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=documented(401, 404))
     async def get_model(model_id: str) -> dict:
         if model_id not in by_id:
             raise APIError(404, f"the model '{model_id}' does not exist; available: {', '.join(by_id)}",
                            param="model", code="model_not_found")
         return _model_json(by_id[model_id])
 
-    @app.get("/api/cache")
+    @app.get("/api/cache", responses=documented(401))
     async def cache_stats() -> dict:
         """Each model's prompt cache: entries, bytes, hits, misses, tokens reused, evictions."""
         return {"data": [{"model": m.id, "engine": m.worker.info.engine if m.worker.info else None,
                           **m.worker.cache_stats()} for m in by_id.values()]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = lookup(body.model)
         with served.worker.arriving() as arrival:
@@ -97,7 +104,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             return await _complete(served, body, plan.prompt, logprobs, "chat", request, arrival, plan)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         served = lookup(body.model)
         if (name := body.refused_field()) is not None:
@@ -107,6 +114,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             return await _complete(served, body, ids, body.logprobs, "text", request, arrival)
 
     install_responses(app, lookup)
+    schema = app.openapi
+    app.openapi = lambda: without_validation_errors(schema())
     return app
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 _TYPES = {
     400: "invalid_request_error",
@@ -46,3 +47,46 @@ def printable(text: str | None) -> str | None:
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error this server answers, for the OpenAPI document."""
+
+    error: ErrorDetail
+
+
+_MEANINGS = {
+    400: "Invalid request: a malformed body, a refused field, a prompt over the context",
+    401: "Missing or wrong API key",
+    404: "No such model",
+    413: "Request body over the limit",
+    429: "The model's queue is full (see Retry-After)",
+    500: "The generation failed",
+    503: "A model still loading, or the server shutting down",
+}
+
+
+def documented(*statuses: int) -> dict:
+    """``responses=`` for a route: each error status it may answer, with the error body."""
+    return {status: {"model": ErrorBody, "description": _MEANINGS[status]} for status in statuses}
+
+
+GENERATION_ERRORS = documented(400, 401, 404, 413, 429, 500, 503)
+
+
+def without_validation_errors(schema: dict) -> dict:
+    """FastAPI declares a 422 for every route with a body; this server answers 400 instead."""
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema
+

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from mesh_llm.api.chat_tools import make_plan
-from mesh_llm.api.errors import APIError
+from mesh_llm.api.errors import GENERATION_ERRORS, APIError
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import error_kind
 from mesh_llm.api.responses_schemas import NamedFunctionChoice, ResponsesRequest
@@ -30,7 +30,7 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def install_responses(app: FastAPI, lookup: Callable) -> None:
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=GENERATION_ERRORS)
     async def create_response(body: ResponsesRequest, request: Request):
         served = lookup(body.model)
         body.check_served()
