@@ -82,7 +82,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(9337, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, envvar="MESH_LLM_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health."),
     ctx_size: Optional[int] = typer.Option(None, help="Context length (default or 0: the model's own, "
                                            "fitted to memory)."),
     quantize: Optional[int] = typer.Option(None, help="4 or 8: quantize on load (MLX on a GPU)."),
@@ -90,6 +90,8 @@ def serve(
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: physical cores)."),
     max_queue: int = typer.Option(
         64, help="Requests that may wait per model beyond its free batch slots before a 429 (0: none wait)."),
+    read_timeout: float = typer.Option(30.0, help="Seconds a request's headers and body may take to "
+                                       "arrive before a 408 and the connection closed."),
     max_batch: Optional[int] = typer.Option(None, help="Sequences decoded together per model "
                                             "(default: chosen from the device and its memory)."),
     prefill_step: Optional[int] = typer.Option(None, envvar="MESH_LLM_PREFILL_STEP", help="Most prompt "
@@ -159,6 +161,8 @@ def serve(
         raise fail("--threads must be at least 1")
     if max_queue < 0:
         raise fail("--max-queue must be 0 or more")
+    if not read_timeout > 0:
+        raise fail("--read-timeout must be more than 0")
     if cache_entries < 0:
         raise fail("--cache-entries must be 0 or more")
     if max_batch is not None and max_batch < 1:
@@ -187,6 +191,7 @@ def serve(
                             max_batch=max_batch, warm_up=warm_up, deterministic=deterministic)
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, options=options, max_queue=max_queue,
+                         read_timeout=read_timeout,
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)

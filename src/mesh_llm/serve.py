@@ -4,6 +4,7 @@ the HTTP server. Every startup problem becomes :class:`StartupError`: one line, 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -42,6 +43,7 @@ class ServeConfig:
     options: EngineOptions = field(default_factory=EngineOptions)  # how every model is loaded
     max_queue: int = 64
     max_body_bytes: int | None = None  # largest request body; None: the API's (8 MiB)
+    read_timeout: float = 30.0  # seconds a request's headers and body may take to arrive
     tls_cert: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate and key
     tls_key: str | None = None
     mesh: MeshConfig | None = None  # take part in a mesh (mesh/); None: a standalone server
@@ -168,7 +170,8 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
             raise
     server = _graceful_server(uvicorn)(
         uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
-                       ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key), workers)
+                       http=timed_protocol(config.read_timeout), ssl_certfile=config.tls_cert,
+                       ssl_keyfile=config.tls_key), workers)
     failed: list[str] = []
 
     def watch() -> None:
@@ -228,6 +231,61 @@ def _graceful_server(uvicorn):
             self._captured_signals.clear()  # uvicorn would raise them again once it returns
 
     return GracefulServer
+
+
+def timed_protocol(read_timeout: float):
+    """uvicorn's HTTP protocol (httptools) with a read deadline: a request's headers and body must
+    arrive within ``read_timeout`` seconds of its first byte (of the connection, for the first), or
+    it is answered 408 ``request_timeout`` and the connection closed, so a client that sends a byte
+    now and then (slowloris) cannot hold a connection. Answers and idle keep-alive are not timed
+    here (uvicorn closes idle connections itself)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from mesh_llm.api.errors import error_body
+
+    message = f"the request was not received within {read_timeout:g} s"
+    body = json.dumps(error_body(408, message, code="request_timeout")).encode()
+    response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+    class TimedProtocol(HttpToolsProtocol):
+        _read_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(read_timeout, self._timed_out)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _timed_out(self) -> None:
+            self._read_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                self.transport.write(response)
+            log.info("closed a connection whose request was not received within %g s", read_timeout)
+            self.transport.close()
+
+    return TimedProtocol
 
 
 def check_tls(config: ServeConfig) -> None:

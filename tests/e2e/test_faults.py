@@ -1,12 +1,14 @@
-"""Stopping the server keeps the README's promise: on SIGTERM or Ctrl-C, requests still running after
-the grace period, and those waiting for a slot, each end properly (a stream with a
-``server_shutting_down`` error event and ``[DONE]``, a non-streamed request with an OpenAI-format
-503), and the process exits 0 (130 after Ctrl-C) instead of dying by the signal."""
+"""The server under faults. Stopping it keeps the README's promise: on SIGTERM or Ctrl-C, requests
+still running after the grace period, and those waiting for a slot, each end properly (a stream with
+a ``server_shutting_down`` error event and ``[DONE]``, a non-streamed request with an OpenAI-format
+503), and the process exits 0 (130 after Ctrl-C) instead of dying by the signal. A client that sends
+its request a byte at a time (slowloris) is answered 408 and cut off at the read timeout."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -62,5 +64,31 @@ def test_every_request_in_flight_ends_properly_and_the_exit_status_is_clean(tmp_
         assert waiting["status"] == 503, waiting
         assert waiting["body"]["error"]["code"] == "server_shutting_down"
         assert "Traceback" not in server.output()
+    finally:
+        server.stop()
+
+
+def test_a_request_that_trickles_in_is_answered_408_and_closed_at_the_read_timeout(tmp_path):
+    server = start_server(["--engine", "llama", "--read-timeout", "2"], tmp_path / "server.log")
+    try:
+        conns = []
+        for partial in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+                        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"):
+            conn = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            conn.sendall(partial)
+            conns.append(conn)
+        for conn in conns[1:]:
+            conn.sendall(b"X")  # a byte now and then does not keep a connection
+        for conn in conns:
+            with conn:  # read until the server closes it (the old server held them for minutes)
+                answer = b""
+                while chunk := conn.recv(65536):
+                    answer += chunk
+                head, _, body = answer.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 408"), answer
+                assert json.loads(body)["error"]["code"] == "request_timeout"
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert reply.status_code == 200  # a request that arrives whole is served as ever
     finally:
         server.stop()
