@@ -1,7 +1,7 @@
 """Engine registry: each engine is imported only when asked for, so mesh-llm runs with either extra.
 
-To add an engine, write ``engines/<name>.py`` with an :class:`~mesh_llm.engines.base.Engine` subclass
-and add one line to ``_ENGINES``.
+To add an engine, write ``engines/<name>/engine.py`` with an :class:`~mesh_llm.engines.base.Engine`
+subclass (a runner of the scheduler's plans) and add one line to ``_ENGINES``.
 """
 
 from __future__ import annotations

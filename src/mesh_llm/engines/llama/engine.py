@@ -1,15 +1,15 @@
 """llama.cpp engine: GGUF models through llama-cpp-python's low-level bindings, many sequences at once.
 
-As llama-server's slots do, every sequence is a llama.cpp sequence id with its KV cells (in one pool
-on a CPU, in a stream of its own on a GPU: :meth:`LlamaEngine._compact`), and each step decodes one
-``llama_batch`` holding a chunk of prompt for each sequence still reading its own and one token for
-each decoding one; each sequence samples from its own logits row with its own sampler
-(``llama_batch``). A sequence is admitted while the pool has free cells for its prompt and
-``max_tokens``; one that starts with a prefix another running sequence holds shares its cells
-(``llama_memory_seq_cp``: in one pool no copy, no memory; across streams a copy on the device), and
-one that ends leaves its state to the prompt cache
-(``llama_cache.SequenceState`` in a ``PromptCache``). ``llama_cache`` says which KV is reused and
-why flash attention is off on CPU.
+A runner for ``runtime.scheduler``, which decides who is admitted, which prompt chunks each step
+reads, who waits and who is preempted. As llama-server's slots do, every sequence is a llama.cpp
+sequence id with its KV cells (in one pool on a CPU, in a stream of its own on a GPU:
+:meth:`LlamaEngine._compact`), and each step decodes one ``llama_batch`` holding the planned prompt
+chunks and one token for each decoding sequence; each sequence samples from its own logits row with
+its own sampler (``batch.py``). The engine tells the scheduler whether the sequences' claims fit the
+pool (:meth:`LlamaEngine.fits`). A sequence that starts with a prefix another running sequence holds
+shares its cells (``llama_memory_seq_cp``: in one pool no copy, no memory; across streams a copy on
+the device), and one that ends leaves its state to the prompt cache (``cache.SequenceState`` in a
+``PromptCache``). ``cache.py`` says which KV is reused and why flash attention is off on CPU.
 
 ``llama_cpp.Llama`` is not used: it keeps logits for every position only with ``logits_all``,
 silences logs by redirecting the process's stdout/stderr (other threads lose their output), and
