@@ -97,6 +97,6 @@ def test_api_key_is_required_when_configured(server_factory):
     post = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert post.status_code == 401  # auth is checked before the body
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/openapi.json").status_code == 404  # served without the key before
+    assert httpx.get(server.url + "/openapi.json").status_code == 401  # every route but /health needs it
     client = OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
     assert client.models.list().data[0].id == MODEL
