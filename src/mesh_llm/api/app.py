@@ -24,7 +24,7 @@ from mesh_llm.api.errors import (
     without_validation_errors,
 )
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
-from mesh_llm.api.responses import GenerationError, ResponseBuilder
+from mesh_llm.api.responses import ResponseBuilder
 from mesh_llm.api.responses_api import install_responses
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mesh_llm.engines.base import SamplingParams
@@ -165,14 +165,7 @@ async def _complete(served: ServedModel, body: SamplingFields, prompt: list[int]
                               plan.parser if plan is not None else None)
     if body.stream:
         return stream_response(builder.stream(aiter(generation)), generation)
-    try:
-        return await collect_unless_left(builder.collect(aiter(generation)), request, generation)
-    except GenerationError as exc:
-        if exc.rejected:
-            raise APIError(400, str(exc), code="invalid_request") from None
-        if exc.shutdown:
-            raise APIError(503, str(exc), code="server_shutting_down") from None
-        raise APIError(500, str(exc), code="generation_failed") from None
+    return await collect_unless_left(builder.collect(aiter(generation)), request, generation)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -236,6 +229,12 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
+def key_refused():
+    """The 401 for a request without the API key (the app's and the mesh gateway's)."""
+    return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
+
+
 class _RequireKey:
     """Answers 401 from the headers alone, before a body is read or parsed: a client without the key
     costs the server nothing however large its body. ``/health`` stays open; a request a mesh peer
@@ -250,8 +249,7 @@ class _RequireKey:
         if scope["type"] != "http" or scope["path"] in self.OPEN or scope.get(PEER_SCOPE_KEY):
             return await self.app(scope, receive, send)
         if not bearer_matches(Headers(scope=scope).get("authorization"), self.api_key):
-            return await error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                        code="invalid_api_key")(scope, receive, send)
+            return await key_refused()(scope, receive, send)
         await self.app(scope, receive, send)
 
 

@@ -9,23 +9,25 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from mesh_llm.api.errors import APIError
 from mesh_llm.runtime.tool_formats import Event, Parser
 from mesh_llm.runtime.worker import Chunk, TokenLogprob, Usage
 
 
-class GenerationError(Exception):
-    def __init__(self, chunk: Chunk):
-        super().__init__(chunk.error)
-        self.rejected, self.shutdown = chunk.rejected, chunk.shutdown
-
-
-def error_kind(chunk: Chunk) -> tuple[str, str]:
-    """The OpenAI error type and code of a generation's error chunk."""
-    if chunk.rejected:
-        return "invalid_request_error", "invalid_request"
+def error_kind(chunk: Chunk) -> tuple[int, str, str]:
+    """A generation's error chunk as the HTTP status of a non-streamed answer, and the OpenAI error
+    type and code a stream's error event carries."""
+    if chunk.rejected:  # the request's own fault (its grammar): nothing was sent yet
+        return 400, "invalid_request_error", "invalid_request"
     if chunk.shutdown:
-        return "server_error", "server_shutting_down"
-    return "server_error", "generation_failed"
+        return 503, "server_error", "server_shutting_down"
+    return 500, "server_error", "generation_failed"
+
+
+def generation_error(chunk: Chunk) -> APIError:
+    """The error a non-streamed request answers for a generation's error chunk."""
+    status, _, code = error_kind(chunk)
+    return APIError(status, chunk.error, code=code)
 
 
 def sse(payload: dict | str) -> bytes:
@@ -160,7 +162,7 @@ class ResponseBuilder:
         last = Chunk()
         async for last in chunks:
             if last.error:
-                raise GenerationError(last)
+                raise generation_error(last)
             parts.append(last.text)
             all_logprobs.extend(last.logprobs)
         logprobs = self._logprobs(tuple(all_logprobs))
@@ -184,7 +186,7 @@ class ResponseBuilder:
         calls = ToolCalls()
         async for chunk in chunks:
             if chunk.error:
-                kind, code = error_kind(chunk)
+                _, kind, code = error_kind(chunk)
                 yield sse({"error": {"message": chunk.error, "type": kind, "param": None, "code": code}})
                 break
             finish = chunk.finish_reason

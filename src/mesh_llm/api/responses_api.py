@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from mesh_llm.api.chat_tools import make_plan
 from mesh_llm.api.errors import GENERATION_ERRORS, APIError
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
-from mesh_llm.api.responses import error_kind
+from mesh_llm.api.responses import error_kind, generation_error
 from mesh_llm.api.responses_schemas import NamedFunctionChoice, ResponsesRequest
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.tool_formats import Event, Function
@@ -75,9 +75,7 @@ class ResponsesBuilder:
     async def collect(self, chunks: AsyncIterator[Chunk]) -> dict:
         async for chunk in chunks:
             if chunk.error:
-                _, code = error_kind(chunk)
-                status = 400 if chunk.rejected else 503 if chunk.shutdown else 500
-                raise APIError(status, chunk.error, code=code)
+                raise generation_error(chunk)
             self._events(chunk)
             if chunk.finish_reason is not None:
                 return self._response(chunk)
@@ -88,7 +86,7 @@ class ResponsesBuilder:
         yield self._sse("response.in_progress", response=self._response(None))
         async for chunk in chunks:
             if chunk.error:
-                yield self._sse("error", code=error_kind(chunk)[1], message=chunk.error, param=None)
+                yield self._sse("error", code=error_kind(chunk)[2], message=chunk.error, param=None)
                 return
             for kind, payload in self._events(chunk):
                 yield self._sse(kind, **payload)

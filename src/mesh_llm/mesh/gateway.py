@@ -17,7 +17,7 @@ import logging
 
 from starlette.datastructures import Headers
 
-from mesh_llm.api.app import PEER_SCOPE_KEY, bearer_matches
+from mesh_llm.api.app import PEER_SCOPE_KEY, bearer_matches, key_refused
 from mesh_llm.api.errors import error_response
 from mesh_llm.mesh.api import control_app, is_control
 from mesh_llm.mesh.node import MeshNode
@@ -67,8 +67,7 @@ class Gateway:
         if not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
         if self.api_key is not None and not bearer_matches(headers.get("authorization"), self.api_key):
-            return await error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                        code="invalid_api_key")(scope, receive, send)
+            return await key_refused()(scope, receive, send)
         if scope["method"] == "GET" and path == "/v1/models":
             body = {"object": "list", "data": self.node.model_list()}
             return await _json(200, body, [self._served_by])(scope, receive, send)
