@@ -142,3 +142,68 @@ def test_the_openapi_document_declares_every_error_with_its_body(client):
     error = schema["components"]["schemas"]["ErrorDetail"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
     assert set(schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]) == {"200", "401", "404"}
+    for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
+                        ("/v1/responses", "ResponsesRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{model}"}
+    refs = {ref.rsplit("/", 1)[1] for ref in _refs(schema)}
+    assert refs <= set(schema["components"]["schemas"]), refs - set(schema["components"]["schemas"])
+    assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["required"]
+
+
+def _refs(node):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from [value] if key == "$ref" else _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def test_a_list_of_bad_items_costs_the_first_bad_items_errors_not_one_per_item():
+    from pydantic import ValidationError
+
+    from mesh_llm.api.schemas import ChatCompletionRequest
+    counts = []
+    for n in (1, 60_000):
+        with pytest.raises(ValidationError) as caught:
+            ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
+                {"role": "user", "content": [{"type": "image"}]}] * n})
+        counts.append(caught.value.error_count())
+    assert counts[0] == counts[1] <= 3, counts  # the union's str branch, then the first bad part's fields
+
+
+def test_a_costly_body_is_parsed_beside_running_streams_not_in_their_way(client, fake_server):
+    """100,000 short messages (3.4 MB, a valid shape) take the parser about a second here; parsed on
+    the event loop (as FastAPI does) they held every stream's next token that long. In a thread, a
+    running stream's longest gap must stay well under what the same parse costs inline."""
+    from mesh_llm.api.schemas import ChatCompletionRequest
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 100_000,
+                       "max_tokens": 1}).encode()
+    started = time.perf_counter()
+    ChatCompletionRequest.model_validate(json.loads(body))
+    inline = time.perf_counter() - started
+    gaps: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        def stream() -> None:
+            request = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+            with httpx.stream("POST", fake_server.url + "/v1/completions", json=request, timeout=60) as r:
+                last = None
+                for _ in r.iter_lines():
+                    now = time.perf_counter()
+                    gaps.append(now - last) if last is not None else None
+                    last = now
+                    if len(gaps) > 20 and costly.done():
+                        break
+        costly = concurrent.futures.Future()
+        streaming = pool.submit(stream)
+        while len(gaps) < 20:
+            time.sleep(0.01)
+        before = len(gaps)
+        response = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        costly.set_result(response)
+        streaming.result(timeout=60)
+    assert response.status_code in (200, 400), response.text
+    during = max(gaps[before:])
+    assert during < 0.5 * inline, (during, inline)

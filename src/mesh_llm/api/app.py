@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mesh_llm.api.body import UnreadableBody, body_schema, json_body, with_body_schemas
 from mesh_llm.api.chat_tools import chat_plan
 from mesh_llm.api.errors import (
     GENERATION_ERRORS,
@@ -26,6 +27,7 @@ from mesh_llm.api.errors import (
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import ResponseBuilder
 from mesh_llm.api.responses_api import install_responses
+from mesh_llm.api.responses_schemas import ResponsesRequest
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.prompt_limit import PromptTooLong, encode_within
@@ -93,8 +95,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
         return {"data": [{"model": m.id, "engine": m.worker.info.engine if m.worker.info else None,
                           **m.worker.cache_stats()} for m in by_id.values()]}
 
-    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS, openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat_completions(body: json_body(ChatCompletionRequest), request: Request):
         served = lookup(body.model)
         with served.worker.arriving() as arrival:
             if body.top_logprobs is not None and not body.logprobs:
@@ -104,8 +106,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             return await _complete(served, body, plan.prompt, logprobs, "chat", request, arrival, plan)
 
-    @app.post("/v1/completions", responses=GENERATION_ERRORS)
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", responses=GENERATION_ERRORS, openapi_extra=body_schema(CompletionRequest))
+    async def completions(body: json_body(CompletionRequest), request: Request):
         served = lookup(body.model)
         if (name := body.refused_field()) is not None:
             raise unsupported(name)
@@ -115,7 +117,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
 
     install_responses(app, lookup)
     schema = app.openapi
-    app.openapi = lambda: without_validation_errors(schema())
+    app.openapi = lambda: with_body_schemas(without_validation_errors(schema()),
+                                            [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
     return app
 
 
@@ -194,12 +197,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         headers = getattr(exc, "headers", None)
-        if exc.status_code == 400:  # FastAPI could not decode the body
-            return error_response(400, "the request body could not be read as JSON (bytes that are not UTF-8, "
-                                  "or nesting too deep)", code="invalid_json", headers=headers)
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
         code = "request_too_large" if exc.status_code == 413 else None  # a body counted past the limit
         return error_response(exc.status_code, message, code=code, headers=headers)
+
+    @app.exception_handler(UnreadableBody)
+    async def _unreadable(_: Request, exc: UnreadableBody):
+        return error_response(400, "the request body could not be read as JSON (bytes that are not UTF-8, "
+                              "or nesting too deep)", code="invalid_json")
 
     @app.exception_handler(UnicodeEncodeError)
     async def _not_unicode(_: Request, exc: UnicodeEncodeError):

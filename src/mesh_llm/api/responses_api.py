@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from mesh_llm.api.body import body_schema, json_body
 from mesh_llm.api.chat_tools import make_plan
 from mesh_llm.api.errors import GENERATION_ERRORS, APIError
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
@@ -30,8 +31,8 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def install_responses(app: FastAPI, lookup: Callable) -> None:
-    @app.post("/v1/responses", responses=GENERATION_ERRORS)
-    async def create_response(body: ResponsesRequest, request: Request):
+    @app.post("/v1/responses", responses=GENERATION_ERRORS, openapi_extra=body_schema(ResponsesRequest))
+    async def create_response(body: json_body(ResponsesRequest), request: Request):
         served = lookup(body.model)
         body.check_served()
         functions = [Function(t.name, t.parameters or _NO_PARAMETERS, t.description) for t in body.tools or []]

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from mesh_llm.api.errors import APIError, unsupported
-from mesh_llm.api.schemas import SAMPLING_REFUSED, FunctionName, RequestBody, check_tool_choice, refused
+from mesh_llm.api.schemas import FIRST_ERROR, SAMPLING_REFUSED, FunctionName, RequestBody, check_tool_choice, refused
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Sent by clients but harmless here (no reasoning output to include).
@@ -66,9 +66,9 @@ class TextConfig(BaseModel):
 
 class ResponsesRequest(RequestBody):
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], FIRST_ERROR]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], FIRST_ERROR] | None = None
     tool_choice: str | NamedFunctionChoice | None = None
     parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
