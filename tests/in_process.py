@@ -49,8 +49,9 @@ class InProcessServer:
 
 @contextmanager
 def serve_fake(make_engine: Callable[[], FakeEngine] = FakeEngine, api_key: str | None = None,
-               max_queue: int = 64, **app_options) -> Iterator[InProcessServer]:
-    worker = ModelWorker(MODEL, make_engine, max_queue=max_queue)
+               max_queue: int = 64, request_timeout: float | None = None,
+               **app_options) -> Iterator[InProcessServer]:
+    worker = ModelWorker(MODEL, make_engine, max_queue=max_queue, request_timeout=request_timeout)
     worker.start()
     assert worker.wait_ready(10) and worker.ready, worker.load_error
     app = create_app([ServedModel(MODEL, worker, "fake", 0)], api_key=api_key, **app_options)

@@ -92,6 +92,9 @@ def serve(
         64, help="Requests that may wait per model beyond its free batch slots before a 429 (0: none wait)."),
     read_timeout: float = typer.Option(30.0, help="Seconds a request's headers and body may take to "
                                        "arrive before a 408 and the connection closed."),
+    request_timeout: Optional[float] = typer.Option(
+        None, help="Seconds a generation may take from arrival to its last token before it is ended with "
+        "a 504 request_timeout (a stream: an error event); default: no limit."),
     max_batch: Optional[int] = typer.Option(None, help="Sequences decoded together per model "
                                             "(default: chosen from the device and its memory)."),
     prefill_step: Optional[int] = typer.Option(None, envvar="MESH_LLM_PREFILL_STEP", help="Most prompt "
@@ -163,6 +166,8 @@ def serve(
         raise fail("--max-queue must be 0 or more")
     if not read_timeout > 0:
         raise fail("--read-timeout must be more than 0")
+    if request_timeout is not None and not request_timeout > 0:
+        raise fail("--request-timeout must be more than 0")
     if cache_entries < 0:
         raise fail("--cache-entries must be 0 or more")
     if max_batch is not None and max_batch < 1:
@@ -191,7 +196,7 @@ def serve(
                             max_batch=max_batch, warm_up=warm_up, deterministic=deterministic)
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, options=options, max_queue=max_queue,
-                         read_timeout=read_timeout,
+                         read_timeout=read_timeout, request_timeout=request_timeout,
                          tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
     try:
         code = run(config, progress_factory=ProgressBars().bar)

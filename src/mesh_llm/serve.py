@@ -44,6 +44,7 @@ class ServeConfig:
     max_queue: int = 64
     max_body_bytes: int | None = None  # largest request body; None: the API's (8 MiB)
     read_timeout: float = 30.0  # seconds a request's headers and body may take to arrive
+    request_timeout: float | None = None  # seconds a generation may take, arrival to last token
     tls_cert: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate and key
     tls_key: str | None = None
     mesh: MeshConfig | None = None  # take part in a mesh (mesh/); None: a standalone server
@@ -134,7 +135,8 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
     for plan in plans:
         progress = progress_factory(plan) if progress_factory else None
         worker = ModelWorker(plan.id, lambda plan=plan, progress=progress:
-                             plan.engine_class.load(plan.path, options, progress), max_queue=config.max_queue)
+                             plan.engine_class.load(plan.path, options, progress), max_queue=config.max_queue,
+                             request_timeout=config.request_timeout)
         worker.start()
         workers.append(worker)
     return workers

@@ -134,7 +134,7 @@ def test_the_openapi_document_declares_every_error_with_its_body(client):
     assert "422" not in json.dumps(schema["paths"]) and "HTTPValidationError" not in json.dumps(schema)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         responses = schema["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503"}, path
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}, path
         for status, response in responses.items():
             if status != "200":
                 assert response["content"]["application/json"]["schema"] == {
@@ -207,3 +207,35 @@ def test_a_costly_body_is_parsed_beside_running_streams_not_in_their_way(client,
     assert response.status_code in (200, 400), response.text
     during = max(gaps[before:])
     assert during < 0.5 * inline, (during, inline)
+
+
+def test_a_request_timeout_ends_a_stream_with_an_error_event_and_frees_its_slot():
+    with serve_fake(lambda: FakeEngine(step_s=0.01), request_timeout=1.0) as server:
+        quick = openai_client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+        assert quick.choices[0].finish_reason in ("stop", "length")
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "request_timeout" and "1 s" in error["message"], error
+        assert len(events) > 10  # it streamed before it was ended
+        assert server.workers[0].load()["active"] == 0
+
+
+def test_a_request_timeout_ends_running_and_waiting_requests_with_a_504():
+    """One engine step longer than the timeout: after it, the request that ran and the one that
+    waited for its slot are both past their time."""
+    with serve_fake(lambda: FakeEngine(max_batch=1, step_s=1.5), request_timeout=1.0) as server:
+        ask = {"model": MODEL, "messages": MESSAGES, "max_tokens": 50}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, server.url + "/v1/chat/completions", json=ask, timeout=30)
+            while not server.workers[0].load()["active"]:
+                time.sleep(0.01)
+            waiting = pool.submit(httpx.post, server.url + "/v1/chat/completions", json=ask, timeout=30)
+            answers = [running.result(), waiting.result()]
+        for answer in answers:
+            assert answer.status_code == 504, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "request_timeout" and error["type"] == "server_error", error
+        assert server.workers[0].load() == {"active": 0, "waiting": 0, "max_batch": 1}

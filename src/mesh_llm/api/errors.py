@@ -14,6 +14,7 @@ _TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
+    504: "server_error",
 }
 
 
@@ -70,6 +71,7 @@ _MEANINGS = {
     429: "The model's queue is full (see Retry-After)",
     500: "The generation failed",
     503: "A model still loading, or the server shutting down",
+    504: "The request ran past the server's --request-timeout",
 }
 
 
@@ -78,7 +80,7 @@ def documented(*statuses: int) -> dict:
     return {status: {"model": ErrorBody, "description": _MEANINGS[status]} for status in statuses}
 
 
-GENERATION_ERRORS = documented(400, 401, 404, 413, 429, 500, 503)
+GENERATION_ERRORS = documented(400, 401, 404, 413, 429, 500, 503, 504)
 
 
 def without_validation_errors(schema: dict) -> dict:

@@ -21,6 +21,8 @@ def error_kind(chunk: Chunk) -> tuple[int, str, str]:
         return 400, "invalid_request_error", "invalid_request"
     if chunk.shutdown:
         return 503, "server_error", "server_shutting_down"
+    if chunk.timed_out:
+        return 504, "server_error", "request_timeout"
     return 500, "server_error", "generation_failed"
 
 

@@ -117,6 +117,7 @@ class Chunk:
     error: str | None = None
     rejected: bool = False  # the engine refused the request itself (a client error, not a failure)
     shutdown: bool = False  # ended because the server is shutting down (a 503, not a failure)
+    timed_out: bool = False  # ended at the server's --request-timeout (a 504)
 
 
 class Arrival:
@@ -212,10 +213,11 @@ class ModelWorker:
     """Loads an engine on its own thread and serves generations from a bounded queue, batched."""
 
     def __init__(self, name: str, load: Callable[[], Engine], max_queue: int = 64,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, request_timeout: float | None = None):
         self.name = name
         self._load = load
         self._max_queue = max_queue  # requests that may wait beyond the batch's free slots
+        self._request_timeout = request_timeout  # seconds from submission to the last chunk
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._prefill_budget = prefill_budget  # None: the engine's prefill step
@@ -339,6 +341,8 @@ class ModelWorker:
         try:
             while not self._stopping.is_set():
                 self._drop_cancelled()
+                if self._request_timeout is not None:
+                    self._end_expired()
                 idle = not self._active
                 self._admit()
                 if not self._active:
@@ -471,7 +475,7 @@ class ModelWorker:
         usage = s.usage(now)
         if finish == "error":  # the request's own fault (its grammar): a 400 where nothing was sent yet
             self._send(s.job, Chunk(finish_reason=finish, error=s.error, rejected=True, usage=usage))
-        elif finish != "cancelled":  # first: the client's answer does not wait for the engine's cleanup
+        elif finish not in ("cancelled", "timeout"):  # first: the client's answer does not wait for the engine's cleanup
             self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage), hand_over=True)
         try:
             self._engine.remove(seq)
@@ -489,6 +493,26 @@ class ModelWorker:
         now = time.perf_counter()
         for seq in [seq for seq, s in self._active.items() if s.job.cancelled.is_set()]:
             self._finish(seq, "cancelled", now)
+
+    def _end_expired(self) -> None:
+        """End each request older than ``--request-timeout``, waiting or running, between steps."""
+        now = time.perf_counter()
+        deadline = now - self._request_timeout
+        message = f"the request ran past the server's request timeout of {self._request_timeout:g} s"
+        while True:  # waiting jobs are checked in order, so take them all out of the queue
+            try:
+                self._pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for job in [j for j in self._pending if j.submitted < deadline]:
+            self._pending.remove(job)
+            log.info("%s: a waiting request ended: %s", self.name, message)
+            self._send(job, Chunk(finish_reason="error", error=message, timed_out=True))
+        for seq in [seq for seq, s in self._active.items() if s.job.submitted < deadline]:
+            sequence = self._active[seq]
+            self._send(sequence.job, Chunk(finish_reason="error", error=message, timed_out=True,
+                                           usage=sequence.usage(now)))
+            self._finish(seq, "timeout", now)
 
     def _send(self, job: _Job, chunk: Chunk, hand_over: bool = False) -> None:
         """Deliver a chunk (``hand_over``: one the client waits on, whose consumer the step's end waits
