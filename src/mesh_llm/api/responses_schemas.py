@@ -22,7 +22,14 @@ from pydantic import (
 )
 
 from mesh_llm.api.errors import APIError, unsupported
-from mesh_llm.api.schemas import FIRST_ERROR, SAMPLING_REFUSED, FunctionName, RequestBody, check_tool_choice, refused
+from mesh_llm.api.schemas import (
+    FIRST_ERROR,
+    SAMPLING_REFUSED,
+    FunctionName,
+    RequestBody,
+    check_tool_choice,
+    refused,
+)
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Sent by clients but harmless here (no reasoning output to include).
