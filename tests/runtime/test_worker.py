@@ -3,6 +3,7 @@ that end one request and never the worker, hand-overs, and a shutdown that answe
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -379,3 +380,36 @@ def test_after_a_step_of_many_tokens_the_worker_does_not_wait_for_a_consumer(wor
     monkeypatch.setattr(worker_module, "HANDOVER_TOKENS", 1)
     first, _ = hand_overs(worker, caplog, patience=30.0)
     assert first[1] > first[0], first  # it stepped on while the first chunk waited to be taken
+
+
+class _SlowPrompts(FakeEngine):
+    """Reads prompt tokens at 2 ms each, as a CPU that other work shares."""
+
+    def run(self, plan):
+        time.sleep(0.002 * sum(c.end - c.start for c in plan.chunks))
+        return super().run(plan)
+
+
+def test_prompt_steps_beside_decoding_streams_are_sized_by_time(caplog, monkeypatch):
+    """A long prompt arriving beside a stream: each step that reads it and takes over the target has
+    its prompt budget halved (128 → 64 → 32 → 16), so the stream's next token is never a whole
+    128-token read away; the prompt is still read whole and answered."""
+    import mesh_llm.runtime.worker as worker_module
+    monkeypatch.setattr(worker_module, "PROMPT_STEP_TARGET_S", 0.05)
+    w = ModelWorker("paced", lambda: _SlowPrompts(max_batch=2, prefill_step=128))
+    w.start()
+    try:
+        assert w.wait_ready(120) and w.ready, w.load_error
+        stream, long = Collector(), Collector()
+        with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
+            w.submit(request(w, "Hi", max_tokens=400, ignore_eos=True), stream)
+            while not stream.chunks:
+                time.sleep(0.01)
+            w.submit(request(w, "x" * 600, max_tokens=2, ignore_eos=True), long)
+            assert long.final.finish_reason == "length" and long.final.usage.prompt_tokens > 600
+        assert stream.final.finish_reason == "length"
+    finally:
+        w.stop()
+    steps = [re.search(r"budget (\d+): (\d+) reading, (\d+) decoding", r.getMessage()) for r in caplog.records]
+    beside = [int(m[1]) for m in steps if m and int(m[2]) and int(m[3])]  # prompts read beside a stream
+    assert beside[:4] == [128, 64, 32, 16], beside

@@ -43,6 +43,12 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 CPU_PREFILL_BUDGET = 128  # prompt tokens per step while other sequences decode, on a CPU
 IDLE_PREFILL_STEPS = 4  # with nothing decoding, a step reads this many steps' worth of prompts
 SLOW_STEP_S = 1.0  # a step longer than this, with streams decoding, is logged: they stood still that long
+# A step that reads prompts beside decoding streams is held near this long: its prompt budget halves
+# after a longer one and doubles back (to the engine's) after one under half of it. On a GPU steps
+# stay far under it; on a CPU that other work shares, a 128-token step took 3-15 s, every stream
+# standing still meanwhile.
+PROMPT_STEP_TARGET_S = 0.5
+MIN_PREFILL_BUDGET = 16
 # After a step that sent a request's first or last chunk, the worker waits (the GIL released) up to
 # this long for the consumer to take it. Otherwise the event loop, woken to send it, waits for the
 # GIL while the worker builds the next step, up to Python's switch interval (5 ms) and often longer:
@@ -221,6 +227,7 @@ class ModelWorker:
         self._queue: queue.Queue[_Job] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._prefill_budget = prefill_budget  # None: the engine's prefill step
+        self._paced_budget = 0  # the prompt budget of a step beside decoding streams (PROMPT_STEP_TARGET_S)
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._wake = threading.Event()  # set when a job is queued or the worker must stop
@@ -335,7 +342,7 @@ class ModelWorker:
             self.load_error = exc
             self._ready.set()
             return
-        self._prefill_budget = prefill_budget(self.info, self._prefill_budget)
+        self._prefill_budget = self._paced_budget = prefill_budget(self.info, self._prefill_budget)
         self._alive = True
         self._ready.set()
         try:
@@ -413,9 +420,10 @@ class ModelWorker:
 
     def _step(self) -> None:
         decoding = any(s.first_at is not None for s in self._active.values())
-        # With streams running, read at most one prefill chunk's worth of prompt per step (they
+        prompts_read = any(s.first_at is None for s in self._active.values())
+        # With streams running, read at most a paced prefill chunk's worth of prompt per step (they
         # wait for it); with none, newcomers' prompts go in larger steps.
-        budget = self._prefill_budget if decoding else IDLE_PREFILL_STEPS * self._prefill_budget
+        budget = self._paced_budget if decoding else IDLE_PREFILL_STEPS * self._prefill_budget
         started = time.perf_counter()
         try:
             outputs = self._engine.step(budget)
@@ -426,6 +434,8 @@ class ModelWorker:
                 self._send(s.job, Chunk(finish_reason="error", error=f"generation failed: {exc}"))
             return
         now = time.perf_counter()
+        if decoding and prompts_read:
+            self._pace(now - started)
         slow = now - started > SLOW_STEP_S
         if slow or log.isEnabledFor(logging.DEBUG):
             reading = sum(s.first_at is None for s in self._active.values())
@@ -443,6 +453,13 @@ class ModelWorker:
         if len(outputs) <= HANDOVER_TOKENS:
             self._hand_over()
         self._handovers.clear()
+
+    def _pace(self, took: float) -> None:
+        """Size the next prompt budget beside decoding streams by how long this one took."""
+        if took > PROMPT_STEP_TARGET_S:
+            self._paced_budget = max(MIN_PREFILL_BUDGET, self._paced_budget // 2)
+        elif took < PROMPT_STEP_TARGET_S / 2:
+            self._paced_budget = min(self._prefill_budget, self._paced_budget * 2)
 
     def _advance(self, s: _Sequence, step: Step, now: float) -> str | None:
         """Take one sampled token; returns a finish reason once the sequence is done."""
