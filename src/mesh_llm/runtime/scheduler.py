@@ -209,8 +209,8 @@ class Scheduler:
         """Plan one step (``budget``: the most prompt tokens it reads), run it, and return the
         tokens sampled, ``(seq, step)`` in order."""
         self._runner.start_step()
-        out = self._make_room()
-        plan = self.plan(budget)
+        out, running, claims = self._make_room()
+        plan = self._plan(budget, running, claims)
         if not plan:
             return out
         ran = self._runner.run(plan)
@@ -220,11 +220,10 @@ class Scheduler:
         self._sampled(ran)  # what preempted sequences had in flight is counted already
         return out + ran
 
-    def plan(self, budget: int) -> Plan:
+    def _plan(self, budget: int, running: list[_Sequence], claims: dict[int, int]) -> Plan:
         """This step's decode rows and prompt chunks; sequences start (:meth:`Runner.begin`) as
         their first chunk is planned."""
-        running = self._running()
-        self._runner.claimed(self._claims(running))
+        self._runner.claimed(claims)
         plan = Plan([s.id for s in running if s.decoding], [])
         self._plan_chunks(plan, running, budget, patient=True)
         if not plan and any(not s.decoding for s in running):  # all wait on one another: the first goes
@@ -281,10 +280,10 @@ class Scheduler:
 
     # -- memory ----------------------------------------------------------------------------------
 
-    def _make_room(self) -> list[tuple[int, Any]]:
+    def _make_room(self) -> tuple[list[tuple[int, Any]], list[_Sequence], dict[int, int]]:
         """Before a step: while the running sequences' claims do not fit, the newest but the oldest
         is preempted; then preempted sequences resume, oldest first, while they fit again. Returns
-        the tokens preempted sequences had in flight."""
+        the tokens preempted sequences had in flight, and the running sequences and their claims."""
         out: list[tuple[int, Any]] = []
         running = self._running()
         claims = self._claims(running)
@@ -299,7 +298,9 @@ class Scheduler:
             if not self._runner.fits(claims, (s.prompt, claim, s.max_tokens)):
                 break
             s.preempted, claims = False, {**claims, s.id: claim}
-        return out
+        if len(claims) != len(running):  # some resumed: in arrival order with the rest
+            running = self._running()
+        return out, running, claims
 
     def _preempt(self, s: _Sequence) -> list[tuple[int, Any]]:
         out = self._runner.preempt(s.id) if s.started else []
