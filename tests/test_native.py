@@ -221,3 +221,31 @@ def test_a_llama_build_that_cannot_load_stops_the_start_in_one_line(tmp_path):
     assert "Traceback" not in done.stderr
     assert "the llama engine cannot be imported" in done.stderr
     assert f"LLAMA_CPP_LIB_PATH ({folder}) must name a folder" in done.stderr
+
+
+def _spins_seen(env: dict) -> tuple[str, bool, bool]:
+    code = ("import os\nbefore = 'libgomp' in open('/proc/self/maps').read()\nimport mesh_llm\n"
+            "from mesh_llm.system import native\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'), before, 'GOMP_SPINCOUNT' in native.environ_as_given())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env, timeout=120).stdout.split()
+    return out[0], out[1] == "True", out[2] == "True"
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
+    """llama.cpp's CPU threads wait at OpenMP barriers; `import mesh_llm` sets libgomp's spin count
+    before the library loads (its threads spun 300,000 times and collapsed on a busy CPU), keeps a
+    value the user set, and does not hand its own to programs a benchmark compares it with."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    assert _spins_seen(env) == (native.OPENMP_SPINS, False, False)
+    assert _spins_seen({**env, "GOMP_SPINCOUNT": "300000"}) == ("300000", False, True)
+
+
+def test_the_installed_llama_cpp_build_waits_under_openmp():
+    """What the spin count rests on: the CPU build links libgomp (a build on its own thread pool would
+    need llama.cpp's threadpool settings instead)."""
+    folder = native.library_dir()
+    cpu = [lib for lib in folder.glob("libggml-cpu*.so*") if not lib.is_symlink()]
+    assert cpu, f"no libggml-cpu in {folder}"
+    needed = subprocess.run(["ldd", str(cpu[0])], capture_output=True, text=True, check=True).stdout
+    assert "libgomp" in needed, needed

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mesh_llm import children
+from mesh_llm.system import native
 
 # mlx_lm.server with OpenBLAS interposed the way mesh-llm does it on Linux, so that the comparison
 # is of servers, not of BLAS libraries. Elsewhere (macOS, CUDA) ensure_fast_blas() changes nothing.
@@ -161,7 +162,8 @@ class Server:
 
     def start(self) -> float:
         """Start the process and wait until ``/v1/models`` answers; return milliseconds taken."""
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": str(self.settings.threads),
+        given = os.environ if self.backend.name.startswith("mesh-") else native.environ_as_given()
+        env = {**given, "OPENBLAS_NUM_THREADS": str(self.settings.threads),
                "OMP_NUM_THREADS": str(self.settings.threads), "TOKENIZERS_PARALLELISM": "false",
                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         argv = self.backend.argv(self.model, self.port, self.settings)

@@ -95,11 +95,29 @@ def cxx_runtime_loaded() -> bool:
         return False
 
 
+# llama.cpp's CPU build runs its threads under OpenMP, whose barriers spin 300,000 times before they
+# sleep. With every core busy elsewhere, spinning threads take the cores from the ones they wait for:
+# four streams of the default model on 2 cores went from 119 tok/s to 16, one token gap 2.8 s
+# (docs/performance.md, "A CPU that other work shares"). 10,000 spins keep 0.94 of the speed alone and
+# 3.4 times the speed under load. Read once, when libgomp loads: a value the user set is kept.
+OPENMP_SPINS = "10000"
+_ADDED: set[str] = set()  # environment variables this process set for itself, not inherited
+
+
+def environ_as_given() -> dict[str, str]:
+    """The environment as this process was given it, for other programs it starts (the servers a
+    benchmark compares run as their users run them)."""
+    return {k: v for k, v in os.environ.items() if k not in _ADDED}
+
+
 def prepare_llama() -> None:
     """Load a llama.cpp build that carries libstdc++ before anything else can (once per process)."""
     global _state, _carrier
     if _state is not None:
         return
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINS
+        _ADDED.add("GOMP_SPINCOUNT")
     if os.environ.get("MESH_LLM_LLAMA_FIRST") == "0" or not sys.platform.startswith("linux"):
         _state = "off"
         return
