@@ -14,6 +14,7 @@ longest gap while it is read and its time to first token.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -72,7 +73,7 @@ def stream(url: str, model: str, prompt: str, tokens: int, out: dict) -> None:
 
 
 def gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def run_streams(url: str, model: str, n: int, tokens: int) -> dict:
@@ -102,7 +103,7 @@ def run_long_prompt(url: str, model: str, words: int, tokens: int) -> dict:
     reading = (long["sent"], long["times"][0] if long["times"] else time.perf_counter())
     for t in threads:
         t.join()
-    during = [b - a for o in running for a, b in zip(o["times"], o["times"][1:]) if b > reading[0] and a < reading[1]]
+    during = [b - a for o in running for a, b in itertools.pairwise(o["times"]) if b > reading[0] and a < reading[1]]
     return {"long_ttft_s": reading[1] - reading[0], "gap_max_during_ms": 1000 * max(during, default=0.0)}
 
 
@@ -113,7 +114,7 @@ def main() -> None:
     ap.add_argument("--load", default="none,busy", help="none, busy (a spinning process a core), or both")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--long-prompt", type=int, default=1500, help="words of the prompt that arrives")
+    ap.add_argument("--long-prompt", type=int, default=1500, help="words of the prompt that arrives (0: skip)")
     ap.add_argument("--src", help="a source tree whose mesh_llm package to serve (PYTHONPATH)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
@@ -130,7 +131,8 @@ def main() -> None:
                     p.start()
                 row = {"engine": args.engine, "threads": threads, "load": load, "src": args.src or "this tree",
                        **run_streams(url, model, args.streams, args.tokens),
-                       **run_long_prompt(url, model, args.long_prompt, args.tokens)}
+                       **(run_long_prompt(url, model, args.long_prompt, args.tokens) if args.long_prompt
+                          else {"long_ttft_s": 0.0, "gap_max_during_ms": 0.0})}
             finally:
                 for p in spinners:
                     p.kill()

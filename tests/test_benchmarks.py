@@ -37,6 +37,7 @@ def test_the_benchmarks_folder_holds_its_maintained_scripts():
         "mesh.py",
         "constrain.py",
         "startup.py",
+        "contention.py",
         "blas.py",
         "history.py",
         "gpu.sh",
