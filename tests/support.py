@@ -57,8 +57,9 @@ def serve_errors(*args: str) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
 
-def start_server(args: list[str], log: Path, env: dict | None = None, timeout: float = 300) -> Server:
-    port = free_port()
+def start_server(args: list[str], log: Path, env: dict | None = None, timeout: float = 300,
+                 port: int | None = None) -> Server:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "mesh_llm", "serve", "--port", str(port), *args]
     with open(log, "wb") as out:
         proc = children.popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

@@ -121,8 +121,9 @@ def serve(
                                   "info, warning or error."),
     mesh: bool = typer.Option(False, "--mesh", help="Start a mesh with a fresh random token and print "
                               "the command that joins it.", rich_help_panel="Mesh"),
-    mesh_token: Optional[str] = typer.Option(None, help="The mesh's shared secret (or MESH_LLM_MESH_TOKEN): "
-                                             "alone it starts a mesh; with --join it joins one.",
+    mesh_token: Optional[str] = typer.Option(None, help="The mesh's shared secret: alone it starts a mesh; "
+                                             "with --join it joins one. MESH_LLM_MESH_TOKEN stands in for "
+                                             "it with --join, --client or --discover, but starts no mesh alone.",
                                              rich_help_panel="Mesh"),
     join: list[str] = typer.Option([], help="A member's API address (http(s)://host:port) to join the "
                                     "mesh through; repeatable.", rich_help_panel="Mesh"),

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mesh_llm.mesh.security import MeshAuth
 from support import Server, free_port, start_server
 
 TOKEN = "mesh-test-token-0123456789abcdef"
-PEER = {"x-mesh-token": TOKEN}
 MODEL = "SmolLM2-135M-Instruct"
 # small contexts and caches: several nodes share this machine's memory
 LEAN = ["--engine", "llama", "--ctx-size", "2048", "--cache-bytes", "64M"]
@@ -32,9 +32,9 @@ class Nodes:
         self.folder = folder
         self.started: list[Server] = []
 
-    def start(self, name: str, *args: str, token: str = TOKEN, model: bool = True) -> Server:
+    def start(self, name: str, *args: str, token: str = TOKEN, model: bool = True, port: int | None = None) -> Server:
         flags = [*(LEAN if model else []), "--node-name", name, "--mesh-token", token, *args]
-        server = start_server(flags, self.folder / f"{name}-{len(self.started)}.log")
+        server = start_server(flags, self.folder / f"{name}-{len(self.started)}.log", port=port)
         self.started.append(server)
         return server
 
@@ -67,9 +67,14 @@ def chat(server: Server, model: str, content: str = "Say hi.", headers: dict | N
     return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
 
 
+def signed(method: str, path: str, body: bytes = b"", token: str = TOKEN) -> dict[str, str]:
+    """The headers a node sends with a request: its signature under the mesh token."""
+    return {**MeshAuth(token).headers(method, path, body), "content-type": "application/json"}
+
+
 def mesh_view(server: Server, token: str = TOKEN) -> dict[str, str]:
     """Member id -> state, as ``server``'s /api/mesh reports them."""
-    reply = httpx.get(server.url + "/api/mesh", headers={"x-mesh-token": token}, timeout=10)
+    reply = httpx.get(server.url + "/api/mesh", headers=signed("GET", "/api/mesh", token=token), timeout=10)
     assert reply.status_code == 200, reply.text
     return {m["id"]: m["state"] for m in reply.json()["members"]}
 

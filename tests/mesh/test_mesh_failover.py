@@ -6,12 +6,13 @@ stream. The tests run in file order and build on each other.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 import httpx
 import pytest
-from mesh_nodes import PEER, SilentPeer, chat, mesh_view, served_models, wait_for
+from mesh_nodes import SilentPeer, chat, mesh_view, served_models, signed, wait_for
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 
@@ -95,7 +96,9 @@ def test_a_silent_peer_costs_at_most_the_first_byte_timeout(mesh):
     try:
         record = {"id": "stub", "url": stub.url, "version": [time.time_ns(), 1],
                   "models": [{"id": "dup", "context_length": 2048}]}
-        joined = httpx.post(y.url + "/mesh/heartbeat", json={"sender": record}, headers=PEER, timeout=10)
+        beat = json.dumps({"sender": record}).encode()
+        joined = httpx.post(y.url + "/mesh/heartbeat", content=beat, headers=signed("POST", "/mesh/heartbeat", beat),
+                            timeout=10)
         assert joined.status_code == 200
         start = time.monotonic()
         reply = chat(y, "dup", headers={"x-mesh-target": "stub"}, max_tokens=2)
@@ -147,3 +150,25 @@ def test_a_stream_whose_node_stays_up_but_falls_silent_ends_after_the_idle_timeo
     assert f"it sent nothing for {IDLE_TIMEOUT:g}s" in events[-2], events[-2]
     wait_for(lambda: chat(w, "solo", max_tokens=2).status_code == 200, 15, "x serves again")
     assert "Traceback" not in w.output()
+
+
+def test_a_prompt_read_longer_than_the_idle_timeout_still_streams_whole(mesh):
+    """w's --stream-idle-timeout (2 s) counts a stream's silence once its events flow, not the
+    reading of its prompt: the serving node sends SSE comments meanwhile."""
+    w = mesh["w"]
+    prompt = f"{time.time_ns()} " + "word " * 1800  # new to every prompt cache
+    body = {"model": "dup", "prompt": prompt, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    start = time.monotonic()
+    first = None
+    with httpx.stream("POST", w.url + "/v1/completions", json=body, timeout=120) as response:
+        lines = []
+        for line in response.iter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.monotonic() - start
+            lines.append(line)
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
+    assert any(json.loads(e).get("choices") for e in events[:-1])
+    assert ": keep-alive" in lines  # the comments came through to the client, which skips them
+    assert first > IDLE_TIMEOUT, f"the prompt was read in {first:.1f}s: the test proves nothing"

@@ -11,8 +11,8 @@ import sys
 
 import httpx
 import pytest
-from mesh_nodes import PEER, TOKEN, chat, mesh_view, served_models, wait_for
-from openai import OpenAI
+from mesh_nodes import TOKEN, chat, mesh_view, served_models, signed, wait_for
+from openai import NotFoundError, OpenAI
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 
@@ -45,6 +45,19 @@ def test_every_node_lists_every_model_with_the_node_serving_it(mesh):
         assert {m["id"]: m["nodes"] for m in listed} == {alias: [n] for alias, n in ALIASES.items()}
         assert all(m["engine"] == "llama" and m["format"] == "gguf" and m["context_length"] == 2048
                    for m in listed)
+
+
+def test_every_node_retrieves_every_model_of_the_mesh(mesh):
+    """``client.models.retrieve()`` on an entry node, a client node, for its own model and others'."""
+    every, keys = mesh
+    for name, node in every.items():
+        client = OpenAI(base_url=node.url + "/v1", api_key=keys.get(name, "none"), max_retries=0)
+        for alias, server in ALIASES.items():
+            model = client.models.retrieve(alias)
+            assert model.id == alias and model.model_extra["nodes"] == [server], (name, alias)
+        with pytest.raises(NotFoundError) as missing:
+            client.models.retrieve("gpt-9")
+        assert missing.value.response.json()["error"]["code"] == "model_not_found"
 
 
 def test_through_each_node_requests_reach_all_three_models(mesh):
@@ -100,8 +113,9 @@ def test_management_api_shows_members_models_load_and_heartbeats(mesh):
     every, keys = mesh
     b = every["node-b"]
     assert httpx.get(b.url + "/api/mesh", timeout=10).status_code == 401
-    assert httpx.get(b.url + "/api/mesh", headers={"x-mesh-token": "wrong" * 8}, timeout=10).status_code == 401
-    view = httpx.get(b.url + "/api/mesh", headers=PEER, timeout=10).json()
+    wrong = signed("GET", "/api/mesh", token="wrong" * 8)
+    assert httpx.get(b.url + "/api/mesh", headers=wrong, timeout=10).status_code == 401
+    view = httpx.get(b.url + "/api/mesh", headers=signed("GET", "/api/mesh"), timeout=10).json()
     assert view["node"] == "node-b"
     members = {m["id"]: m for m in view["members"]}
     assert {i: m["state"] for i, m in members.items()} == {"node-b": "self", "node-a": "up", "node-c": "up",
@@ -111,7 +125,7 @@ def test_management_api_shows_members_models_load_and_heartbeats(mesh):
     assert gamma["id"] == "gamma" and set(gamma["load"]) >= {"active", "waiting", "max_batch"}
     assert members["node-c"]["capacity"]["device"] == "cpu" and members["node-c"]["capacity"]["model_bytes"] > 0
     assert all(m["last_heartbeat_s"] < 4 for m in view["members"])
-    status = httpx.get(b.url + "/api/status", headers=PEER, timeout=10).json()
+    status = httpx.get(b.url + "/api/status", headers=signed("GET", "/api/status"), timeout=10).json()
     assert status["id"] == "node-b" and status["members_up"] == 3 and status["models"][0]["id"] == "beta"
     # the API key opens the management API of a node that has one
     a = every["node-a"]

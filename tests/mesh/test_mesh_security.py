@@ -1,19 +1,23 @@
-"""The mesh token guards every node-to-node route, a node with the wrong token cannot join, garbage
-from a peer gets a 4xx and changes nothing, mesh flags that cannot work stop the start-up with one
-line, and `--mesh` makes a token and prints the command that joins."""
+"""The mesh token guards every node-to-node route without ever going on the wire (requests signed
+with it, each signature taken once), a node with the wrong token cannot join, a node that cannot
+prove it holds the token learns nothing and is not believed, garbage from a peer gets a 4xx and
+changes nothing, mesh flags that cannot work stop the start-up with one line, and `--mesh` makes a
+token and prints the command that joins."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from mesh_nodes import LEAN, TOKEN, chat
+from mesh_nodes import LEAN, TOKEN, chat, signed
 
 from support import free_port, start_server
 
@@ -63,19 +67,111 @@ def test_the_printed_token_joins_and_the_wrong_one_is_refused(node, token, tmp_p
         joined.stop()
 
 
-def test_node_to_node_routes_need_the_token(node, token):
-    beat = {"sender": {"id": "intruder", "url": "http://127.0.0.1:1", "version": [1, 1]}}
-    for headers in ({}, {"x-mesh-token": TOKEN}, {"x-mesh-token": token[:-1]}):
-        for method, path, body in (("POST", "/mesh/heartbeat", beat), ("POST", "/mesh/leave", {"id": "guard",
-                                   "version": [1, 1]}), ("GET", "/api/mesh", None), ("GET", "/api/status", None)):
-            reply = httpx.request(method, node.url + path, json=body, headers=headers, timeout=10)
+def test_node_to_node_routes_need_a_signature_with_the_token(node, token):
+    """Refused: no signature, the token itself in a header (as nodes sent it before), a signature under
+    another token, one made for another route or body, and one seen before."""
+    beat = json.dumps({"sender": {"id": "intruder", "url": "http://127.0.0.1:1", "version": [1, 1]}}).encode()
+    routes = (("POST", "/mesh/heartbeat", beat), ("POST", "/mesh/leave", b'{"id": "intruder", "version": [1, 2]}'),
+              ("GET", "/api/mesh", b""), ("GET", "/api/status", b""))
+    for method, path, body in routes:
+        used = signed(method, path, body, token=token)
+        assert httpx.request(method, node.url + path, content=body, headers=used, timeout=10).status_code == 200
+        for headers in ({}, {"x-mesh-token": token}, signed(method, path, body, token=TOKEN),
+                        signed(method, "/mesh/other", body, token=token), signed(method, path, body + b" ", token=token),
+                        used):
+            reply = httpx.request(method, node.url + path, content=body, headers=headers, timeout=10)
             assert reply.status_code == 401, (path, headers, reply.text)
             assert reply.json()["error"]["code"] == "invalid_mesh_token"
-        # nor can anyone have the node serve a request as if a peer had forwarded it
-        forged = chat(node, "guarded", headers={**headers, "x-mesh-forwarded": "intruder"})
-        assert forged.status_code == 401
-    members = httpx.get(node.url + "/api/mesh", headers={"x-mesh-token": token}, timeout=10).json()["members"]
-    assert [m["id"] for m in members] == ["guard"]
+    # nor can anyone have the node serve a request as if a peer had forwarded it
+    ask = json.dumps({"model": "guarded", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    for headers in ({"x-mesh-token": token}, signed("POST", "/v1/chat/completions", b"{}", token=token)):
+        forged = httpx.post(node.url + "/v1/chat/completions", content=ask, timeout=60,
+                            headers={**headers, "x-mesh-forwarded": "intruder"})
+        assert forged.status_code == 401, forged.text
+    members = httpx.get(node.url + "/api/mesh", headers=signed("GET", "/api/mesh", token=token),
+                        timeout=10).json()["members"]
+    assert [m["id"] for m in members] == ["guard"]  # the intruder that the signed requests added, then took away
+
+
+class Impostor:
+    """An HTTP listener that answers every request 200 with a plausible heartbeat and keeps every byte
+    it is sent: a node that heard the mesh's announcement but does not hold its token."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received = bytearray()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        reply = json.dumps({"sender": {"id": "impostor", "url": self.url, "version": [1, 1]}}).encode()
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1)) if b"ength:" in head else 0
+                while len(body) < length and (chunk := conn.recv(65536)):
+                    body += chunk
+                self.received += head + b"\r\n\r\n" + body
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(reply), reply))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_node_that_cannot_prove_the_token_learns_nothing_and_is_not_believed():
+    """What a listener that answers as a seed would get from a joiner: a signed heartbeat, in which
+    neither the token nor anything that can stand in for it appears; its answer, unsigned, stops the
+    join rather than being believed."""
+    impostor = Impostor()
+    try:
+        result = mesh_cli("serve", "--client", "--join", impostor.url, "--mesh-token", TOKEN,
+                          "--port", str(free_port()))
+        assert one_error(result) == f"error: {impostor.url} answered the join without proving it holds the mesh token"
+    finally:
+        impostor.close()
+    assert b"POST /mesh/heartbeat" in impostor.received and b"x-mesh-auth: v1 " in impostor.received
+    assert TOKEN.encode() not in impostor.received and b"x-mesh-token" not in impostor.received
+
+
+def test_a_join_tries_each_seed_in_turn(node, token, tmp_path):
+    """A seed that is down, one that answers 501 (not mesh-llm) and one that cannot prove the token
+    are passed over for the next."""
+    impostor = Impostor()
+    other = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port := free_port())],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not _answers(port):
+            assert time.monotonic() < deadline, "python -m http.server did not start"
+            time.sleep(0.1)
+        assert httpx.post(f"http://127.0.0.1:{port}/mesh/heartbeat", timeout=5).status_code == 501
+        joined = start_server(["--client", "--node-name", "patient", "--mesh-token", token, "--join",
+                               f"http://127.0.0.1:{free_port()}", "--join", f"http://127.0.0.1:{port}",
+                               "--join", impostor.url, "--join", node.url], tmp_path / "patient.log")
+        try:
+            assert chat(joined, "guarded", max_tokens=2).status_code == 200
+        finally:
+            joined.stop()
+    finally:
+        other.kill()
+        other.wait()
+        impostor.close()
+
+
+def _answers(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
 
 
 def record(**changes) -> dict:
@@ -106,8 +202,8 @@ GARBAGE = [
 @pytest.mark.parametrize("name,path,body,status", GARBAGE, ids=[g[0] for g in GARBAGE])
 def test_garbage_from_a_peer_is_a_4xx(node, token, name, path, body, status):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = httpx.post(node.url + path, content=content, timeout=30,
-                       headers={"x-mesh-token": token, "content-type": "application/json"})
+    headers = signed("POST", path, content if len(content) <= 1024 * 1024 else b"", token=token)
+    reply = httpx.post(node.url + path, content=content, timeout=30, headers=headers)
     assert reply.status_code == status, reply.text
     assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -117,16 +213,17 @@ def test_a_huge_body_without_a_length_is_cut_off(node, token):
         for _ in range(64):
             yield b"x" * 65536
 
-    reply = httpx.post(node.url + "/mesh/heartbeat", content=chunks(), headers={"x-mesh-token": token},
-                       timeout=30)
+    reply = httpx.post(node.url + "/mesh/heartbeat", content=chunks(), timeout=30,
+                       headers=signed("POST", "/mesh/heartbeat", b"x" * 65536 * 64, token=token))
     assert reply.status_code == 413
 
 
 def test_the_node_is_healthy_after_the_garbage_and_took_none_of_it(node, token):
     assert httpx.get(node.url + "/health", timeout=10).json() == {"status": "ok"}
     assert chat(node, "guarded", max_tokens=2).status_code == 200
-    members = httpx.get(node.url + "/api/mesh", headers={"x-mesh-token": token}, timeout=10).json()["members"]
-    assert [m["id"] for m in members] == ["guard"]
+    members = httpx.get(node.url + "/api/mesh", headers=signed("GET", "/api/mesh", token=token),
+                        timeout=10).json()["members"]
+    assert "peer-1" not in [m["id"] for m in members]
     assert "Traceback" not in node.output()
 
 

@@ -10,7 +10,7 @@ import sys
 
 import httpx
 import pytest
-from mesh_nodes import LEAN, TOKEN, start_tls_server, wait_for
+from mesh_nodes import LEAN, TOKEN, signed, start_tls_server, wait_for
 
 from support import free_port
 
@@ -55,7 +55,7 @@ def test_requests_cross_the_mesh_over_verified_tls(mesh, pki):
     reply = httpx.post(client.url + "/v1/chat/completions", verify=pki["verify"], timeout=120, json={
         "model": "secret", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "tls-a"
-    view = httpx.get(server.url + "/api/mesh", verify=pki["verify"], headers={"x-mesh-token": TOKEN}, timeout=10)
+    view = httpx.get(server.url + "/api/mesh", verify=pki["verify"], headers=signed("GET", "/api/mesh"), timeout=10)
     assert {m["id"]: m["state"] for m in view.json()["members"]} == {"tls-a": "self", "tls-b": "up"}
     with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on a TLS port
         httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5)

@@ -1,7 +1,8 @@
 """The mesh's own routes: node-to-node (``POST /mesh/heartbeat``, ``POST /mesh/leave``), which need
-the mesh token, and the management API (``GET /api/status``, ``GET /api/mesh``), which needs the mesh
-token or the API key. Peers' bodies are bounded and validated; bad ones get a 4xx in OpenAI's error
-format and change nothing."""
+a request signed with the mesh token (``mesh/security.py``), and the management API (``GET
+/api/status``, ``GET /api/mesh``), which needs such a signature or the API key. Peers' bodies are
+bounded and validated; bad ones get a 4xx in OpenAI's error format and change nothing. A heartbeat's
+reply is signed back, bound to the request."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import logging
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.app import bearer_matches
 from mesh_llm.api.errors import APIError, error_response
 from mesh_llm.mesh.records import Heartbeat, Leave
-from mesh_llm.mesh.security import TOKEN_HEADER, token_matches
+from mesh_llm.mesh.security import AUTH_HEADER
 
 MAX_PEER_BODY = 1024 * 1024
 log = logging.getLogger("mesh_llm.mesh")
@@ -31,31 +32,40 @@ def is_control(path: str) -> bool:
 def control_app(node, api_key: str | None) -> FastAPI:
     app = FastAPI(title="mesh-llm mesh", docs_url=None, redoc_url=None, openapi_url=None)
     _errors(app)
-    token = node.config.token
 
-    def peer(request: Request) -> None:
-        if not token_matches(request.headers.get(TOKEN_HEADER), token):
-            raise APIError(401, f"this route needs the mesh token in '{TOKEN_HEADER}'", code="invalid_mesh_token")
+    def signed(request: Request, body: bytes) -> str | None:
+        return node.auth.check(request.headers.get(AUTH_HEADER), request.method, request.url.path, body)
 
-    def reader(request: Request) -> None:
-        if token_matches(request.headers.get(TOKEN_HEADER), token):
-            return
+    async def peer(request: Request) -> tuple[bytes, str]:
+        """The request's body and nonce, once its signature holds."""
+        body = await _body(request)
+        nonce = signed(request, body)
+        if nonce is None:
+            raise APIError(401, f"this route needs a request signed with the mesh token in '{AUTH_HEADER}'",
+                           code="invalid_mesh_token")
+        return body, nonce
+
+    async def reader(request: Request) -> None:
         if api_key is not None and bearer_matches(request.headers.get("authorization"), api_key):
             return
-        raise APIError(401, f"send the mesh token in '{TOKEN_HEADER}'"
-                       + (" or 'Authorization: Bearer <API key>'" if api_key else ""), code="invalid_mesh_token")
+        if signed(request, await _body(request)) is None:
+            raise APIError(401, f"send a request signed with the mesh token in '{AUTH_HEADER}' (mesh-llm mesh "
+                           "status does)" + (" or 'Authorization: Bearer <API key>'" if api_key else ""),
+                           code="invalid_mesh_token")
 
-    @app.post("/mesh/heartbeat", dependencies=[Depends(peer)])
-    async def heartbeat(request: Request) -> dict:
-        beat = await _parse(request, Heartbeat)
+    @app.post("/mesh/heartbeat")
+    async def heartbeat(signed_body: tuple[bytes, str] = Depends(peer)) -> Response:
+        body, nonce = signed_body
+        beat = _parse(body, Heartbeat)
         if beat.sender.id == node.id:
             raise APIError(409, f"a node with the id '{node.id}' is already in this mesh at {node.url}",
                            param="sender.id", code="node_id_taken")
-        return node.take_heartbeat(beat).model_dump(mode="json")
+        reply = node.take_heartbeat(beat).model_dump_json().encode()
+        return Response(reply, media_type="application/json", headers={AUTH_HEADER: node.auth.answer(nonce, reply)})
 
-    @app.post("/mesh/leave", dependencies=[Depends(peer)])
-    async def leave(request: Request) -> dict:
-        node.take_leave(await _parse(request, Leave))
+    @app.post("/mesh/leave")
+    async def leave(signed_body: tuple[bytes, str] = Depends(peer)) -> dict:
+        node.take_leave(_parse(signed_body[0], Leave))
         return {"ok": True}
 
     @app.get("/api/status", dependencies=[Depends(reader)])
@@ -76,7 +86,10 @@ def control_app(node, api_key: str | None) -> FastAPI:
     return app
 
 
-async def _parse(request: Request, shape: type[BaseModel]):
+async def _body(request: Request) -> bytes:
+    """The body, at most ``MAX_PEER_BODY`` bytes (read once: a second call gets the same bytes)."""
+    if (kept := getattr(request.state, "peer_body", None)) is not None:
+        return kept
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_PEER_BODY:
         raise APIError(413, f"the body is over {MAX_PEER_BODY} bytes", code="request_too_large")
@@ -85,8 +98,13 @@ async def _parse(request: Request, shape: type[BaseModel]):
         body += chunk
         if len(body) > MAX_PEER_BODY:
             raise APIError(413, f"the body is over {MAX_PEER_BODY} bytes", code="request_too_large")
+    request.state.peer_body = bytes(body)
+    return request.state.peer_body
+
+
+def _parse(body: bytes, shape: type[BaseModel]):
     try:
-        return shape.model_validate_json(bytes(body))
+        return shape.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())) or None

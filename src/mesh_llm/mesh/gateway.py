@@ -23,7 +23,7 @@ from mesh_llm.mesh.api import control_app, is_control
 from mesh_llm.mesh.node import MeshNode
 from mesh_llm.mesh.proxy import Answer, ClientGone, Failure, attempt, forward_headers, verdict
 from mesh_llm.mesh.relay import serve_relayed
-from mesh_llm.mesh.security import TOKEN_HEADER, token_matches
+from mesh_llm.mesh.security import AUTH_HEADER
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -59,11 +59,12 @@ class Gateway:
         if is_control(path):
             return await self.control(scope, receive, send)
         if "x-mesh-forwarded" in headers:
-            if not token_matches(headers.get(TOKEN_HEADER), self.node.config.token):
-                return await error_response(401, "a forwarded request needs the mesh token",
+            body = await _read_body(receive, self.max_body_bytes)
+            if body is None or self.node.auth.check(headers.get(AUTH_HEADER), scope["method"], path, body) is None:
+                return await error_response(401, "a forwarded request needs a mesh token signature",
                                             code="invalid_mesh_token")(scope, receive, send)
             scope[PEER_SCOPE_KEY] = headers["x-mesh-forwarded"]
-            return await self._counted(serve_relayed(self._local, scope, receive, send))
+            return await self._counted(serve_relayed(self._local, scope, _replayed(body, receive), send))
         if not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
         if self.api_key is not None and not bearer_matches(headers.get("authorization"), self.api_key):
@@ -71,6 +72,14 @@ class Gateway:
         if scope["method"] == "GET" and path == "/v1/models":
             body = {"object": "list", "data": self.node.model_list()}
             return await _json(200, body, [self._served_by])(scope, receive, send)
+        if scope["method"] == "GET" and path.startswith("/v1/models/"):  # any model the mesh lists
+            listed = {m["id"]: m for m in self.node.model_list()}
+            model = listed.get(path.removeprefix("/v1/models/"))
+            if model is None:
+                message = (f"the model '{path.removeprefix('/v1/models/')}' does not exist in this mesh; "
+                           f"available: {', '.join(listed) or 'none'}")
+                return await error_response(404, message, param="model", code="model_not_found")(scope, receive, send)
+            return await _json(200, model, [self._served_by])(scope, receive, send)
         if scope["method"] != "POST":
             return await self._local(scope, receive, send)
         body = await _read_body(receive, self.max_body_bytes)
@@ -157,7 +166,8 @@ class Gateway:
         member = self.node.membership.get(member_id)
         if member is None:
             return Failure("left the mesh")
-        headers = forward_headers(scope["headers"], self.node.config.token, self.node.id)
+        signature = self.node.auth.sign(scope["method"], scope["path"], body)
+        headers = forward_headers(scope["headers"], signature, self.node.id)
         with self.node.watch(member_id, model) as lost:
             return await attempt(self.node.http, member.record.url, scope, body, headers,
                                  self.node.config.first_byte_timeout, lost, receive, send, extra,
@@ -207,6 +217,17 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replay
+
+
+def _replayed(body: bytes, receive):
+    """``receive`` for an app, once the body was read: the body, then what the client sends next
+    (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def again():
+        return pending.pop() if pending else await receive()
+
+    return again
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

@@ -14,7 +14,7 @@ import httpx
 from pydantic import ValidationError
 
 from mesh_llm.mesh.records import Heartbeat, Leave
-from mesh_llm.mesh.security import TOKEN_HEADER
+from mesh_llm.mesh.security import AUTH_HEADER
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -24,29 +24,37 @@ class JoinRefused(Exception):
 
 
 def join(node, seeds: list[str], verify) -> None:
-    """Introduce this node to the mesh through ``seeds`` before serving: a wrong token or an
-    unreachable mesh stops the start-up with one clear line."""
-    errors = []
-    payload = node.heartbeat().model_dump_json()
+    """Introduce this node to the mesh through ``seeds`` before serving, each in turn until one takes
+    it: none that does stops the start-up with one clear line (a refused token first, as it is the
+    likeliest fault)."""
+    errors, refused = [], []
+    payload = node.heartbeat().model_dump_json().encode()
     with httpx.Client(verify=verify, timeout=node.config.connect_timeout * 2, trust_env=False) as http:
         for seed in seeds:
+            headers = _headers(node, "/mesh/heartbeat", payload)
             try:
-                reply = http.post(seed + "/mesh/heartbeat", content=payload, headers=_headers(node))
+                reply = http.post(seed + "/mesh/heartbeat", content=payload, headers=headers)
             except httpx.HTTPError as exc:
                 errors.append(f"cannot reach the mesh at {seed}: {exc}")
                 continue
             if reply.status_code == 401:
-                raise JoinRefused(f"the mesh at {seed} refused this node's mesh token")
+                refused.append(f"the mesh at {seed} refused this node's mesh token")
+                continue
             if reply.status_code != 200:
-                raise JoinRefused(f"the mesh at {seed} refused this node: {_message(reply)}")
+                errors.append(f"the mesh at {seed} refused this node: {_message(reply)}")
+                continue
+            if not node.auth.answered(headers[AUTH_HEADER], reply.headers.get(AUTH_HEADER), reply.content):
+                errors.append(f"{seed} answered the join without proving it holds the mesh token")
+                continue
             try:
-                node.take_heartbeat(Heartbeat.model_validate_json(reply.content), reached=True)
+                beat = Heartbeat.model_validate_json(reply.content)
             except ValidationError:
-                raise JoinRefused(f"{seed} answered the join with something that is not a mesh heartbeat") \
-                    from None
+                errors.append(f"{seed} answered the join with something that is not a mesh heartbeat")
+                continue
+            node.take_heartbeat(beat, reached=True)
             node.seeds.discard(seed)
             return
-    raise JoinRefused(errors[0])
+    raise JoinRefused((refused or errors)[0])
 
 
 class Heartbeater:
@@ -66,7 +74,7 @@ class Heartbeater:
     def beat(self) -> None:
         """Send one round of heartbeats; one still under way to an address is not doubled."""
         node = self.node
-        payload = node.heartbeat().model_dump_json()
+        payload = node.heartbeat().model_dump_json().encode()
         targets = {m.record.url: m.id for m in node.membership.members()}
         if not node.membership.up():
             targets.update({seed: None for seed in node.join_urls})  # alone: try the way in again
@@ -78,9 +86,10 @@ class Heartbeater:
         for url in [u for u, t in self._in_flight.items() if t.done() and u not in targets]:
             del self._in_flight[url]
 
-    async def _send(self, url: str, member_id: str | None, payload: str) -> None:
+    async def _send(self, url: str, member_id: str | None, payload: bytes) -> None:
+        headers = _headers(self.node, "/mesh/heartbeat", payload)
         try:
-            reply = await self.http.post(url + "/mesh/heartbeat", content=payload, headers=_headers(self.node),
+            reply = await self.http.post(url + "/mesh/heartbeat", content=payload, headers=headers,
                                          timeout=self.timeout)
         except httpx.HTTPError as exc:
             log.debug("heartbeat to %s failed: %s", url, exc)
@@ -91,6 +100,11 @@ class Heartbeater:
                 log.warning("%s refused this node's heartbeat: %s", url, _message(reply))
             return
         self._refused.discard(url)
+        if not self.node.auth.answered(headers[AUTH_HEADER], reply.headers.get(AUTH_HEADER), reply.content):
+            if url not in self._refused:
+                self._refused.add(url)
+                log.warning("%s answered a heartbeat without proving it holds the mesh token; ignored", url)
+            return
         try:
             beat = Heartbeat.model_validate_json(reply.content)
         except ValidationError:
@@ -104,10 +118,10 @@ class Heartbeater:
     async def leave(self) -> None:
         """Tell every member this node is leaving, so they drop it now rather than in seconds."""
         node = self.node
-        notice = Leave(id=node.id, version=node.bump()).model_dump_json()
+        notice = Leave(id=node.id, version=node.bump()).model_dump_json().encode()
         members = node.membership.up()
         results = await asyncio.gather(*(self.http.post(m.record.url + "/mesh/leave", content=notice,
-                                                        headers=_headers(node), timeout=1.0)
+                                                        headers=_headers(node, "/mesh/leave", notice), timeout=1.0)
                                          for m in members), return_exceptions=True)
         told = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200)
         if members:
@@ -118,8 +132,8 @@ class Heartbeater:
             task.cancel()
 
 
-def _headers(node) -> dict[str, str]:
-    return {TOKEN_HEADER: node.config.token, "content-type": "application/json"}
+def _headers(node, path: str, body: bytes) -> dict[str, str]:
+    return {**node.auth.headers("POST", path, body), "content-type": "application/json"}
 
 
 def _message(reply: httpx.Response) -> str:

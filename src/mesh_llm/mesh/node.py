@@ -23,7 +23,7 @@ from mesh_llm.mesh.heartbeat import Heartbeater
 from mesh_llm.mesh.membership import Change, Membership
 from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord
 from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
-from mesh_llm.mesh.security import client_tls
+from mesh_llm.mesh.security import MeshAuth, client_tls
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -42,6 +42,7 @@ class MeshNode:
         self.seeds: set[str] = set(self.join_urls)
         self.streams = 0  # requests in progress through this node (served or relayed)
         self.verify = client_tls(config.tls_ca) if self.url.startswith("https") or config.tls_ca else True
+        self.auth = MeshAuth(config.token)
         self._incarnation, self._seq, self._started = time.time_ns(), 0, time.time()
         self._in_flight: Counter[tuple[str, str]] = Counter()  # (member, model) -> requests sent there
         self._lost: dict[str, set[asyncio.Event]] = {}
@@ -89,18 +90,27 @@ class MeshNode:
                          left=self.membership.left())
 
     def take_leave(self, notice: Leave) -> None:
-        self._report([self.membership.leave(notice.id, notice.version)])
+        urls = self._urls()
+        self._report([self.membership.leave(notice.id, notice.version)], urls)
 
     def sweep(self) -> None:
-        self._report(self.membership.sweep())
+        urls = self._urls()
+        self._report(self.membership.sweep(), urls)
 
-    def _report(self, changes: list[Change | None]) -> None:
+    def _urls(self) -> dict[str, str]:
+        return {m.id: m.record.url for m in self.membership.members()}
+
+    def _report(self, changes: list[Change | None], urls: dict[str, str] | None = None) -> None:
         for change in filter(None, changes):
             detail = f" ({change.detail})" if change.detail else ""
             log.info("mesh: %s %s%s", change.id, change.kind, detail)
             if change.kind in ("down", "left", "dropped"):
                 for event in self._lost.get(change.id, ()):
                     event.set()
+            if change.kind in ("left", "dropped") and urls and change.id in urls:
+                # heartbeats keep knocking at its address: a restarted node that joins nobody (the
+                # mesh's first) is found again within a heartbeat, and the mesh never splits for good
+                self.seeds.add(urls[change.id])
 
     @contextmanager
     def watch(self, member_id: str, model: str):

@@ -17,7 +17,7 @@ import httpx
 
 from mesh_llm.api.errors import error_body
 from mesh_llm.mesh.relay import RELAY_HEADER, PeerSilent, Stopped, Upstream, open_relayed
-from mesh_llm.mesh.security import TOKEN_HEADER
+from mesh_llm.mesh.security import AUTH_HEADER
 
 MAX_ERROR_BODY = 1024 * 1024
 # request headers that belong to this hop or to the client's relation with the entry node
@@ -73,10 +73,12 @@ def verdict(answer: Answer) -> str | None:
     return None
 
 
-def forward_headers(headers: list[tuple[bytes, bytes]], token: str, entry_id: str) -> list[tuple[str, str]]:
+def forward_headers(headers: list[tuple[bytes, bytes]], signature: str, entry_id: str) -> list[tuple[str, str]]:
+    """A client's headers as a peer gets them: this node's own signature (``MeshAuth.sign``) and id
+    in place of any ``x-mesh-*`` the client sent."""
     kept = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
             if (name := k.decode("latin-1").lower()) not in _NOT_FORWARDED and not name.startswith("x-mesh-")]
-    return [*kept, (TOKEN_HEADER, token), ("x-mesh-forwarded", entry_id)]
+    return [*kept, (AUTH_HEADER, signature), ("x-mesh-forwarded", entry_id)]
 
 
 async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, headers: list[tuple[str, str]],

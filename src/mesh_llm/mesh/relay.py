@@ -5,9 +5,11 @@ A model answers a non-streamed request only when the whole generation is done, a
 after its prefill: either can take longer than any fair first-byte timeout. So the serving node
 answers a forwarded request at once with ``200`` and ``x-mesh-relay: 1``, sends a newline every
 second while its app has not started the response, then one JSON line with the app's real status
-and headers, then the app's body as it comes. A peer that sends nothing within the first-byte
-timeout, or stops sending keep-alives, is hung, whatever its model is doing. It is plain HTTP
-underneath: only the head is wrapped."""
+and headers, then the app's body as it comes; a stream (``text/event-stream``) gets an SSE comment
+(``: keep-alive``, which clients skip) every second until its first event, while its prompt is
+read, so a long prompt is not taken for a hung node. A peer that sends nothing within the
+first-byte timeout, stops sending keep-alives, or falls silent once its stream's events flow, is
+hung, whatever its model is doing. It is plain HTTP underneath: only the head is wrapped."""
 
 from __future__ import annotations
 
@@ -50,13 +52,14 @@ async def serve_relayed(app, scope, receive, send) -> None:
             await messages.put(None)
 
     task = asyncio.create_task(run())
-    head_sent = False
+    head_sent = reading = False  # reading: a stream's head is out, its first event not yet (prefill)
     try:
         while True:
             try:
-                message = await asyncio.wait_for(messages.get(), None if head_sent else KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                await send({"type": "http.response.body", "body": b"\n", "more_body": True})
+                message = await asyncio.wait_for(messages.get(), KEEPALIVE_S if reading or not head_sent else None)
+            except asyncio.TimeoutError:  # an SSE comment while a stream's prompt is read
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n" if reading else b"\n",
+                            "more_body": True})
                 continue
             if message is None:
                 break
@@ -67,7 +70,10 @@ async def serve_relayed(app, scope, receive, send) -> None:
                 await send({"type": "http.response.body", "body": json.dumps(head).encode() + b"\n",
                             "more_body": True})
                 head_sent = True
+                reading = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                              for k, v in message.get("headers", []))
             elif message["type"] == "http.response.body":
+                reading = reading and not message.get("body")
                 await send({"type": "http.response.body", "body": message.get("body", b""), "more_body": True})
         await task  # re-raises the app's failure
     except Exception:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from mesh_llm.mesh.security import TOKEN_HEADER, client_tls
+from mesh_llm.mesh.security import MeshAuth, client_tls
 
 HEADER = ("node", "state", "url", "models", "load (active/waiting/batch)", "streams", "device",
           "last heartbeat")
@@ -15,7 +15,7 @@ class StatusError(Exception):
 
 
 def fetch(url: str, token: str | None, api_key: str | None = None, tls_ca: str | None = None) -> dict:
-    headers = {TOKEN_HEADER: token} if token else {}
+    headers = MeshAuth(token).headers("GET", "/api/mesh") if token else {}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     verify = client_tls(tls_ca) if url.startswith("https") or tls_ca else True

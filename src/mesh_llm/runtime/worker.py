@@ -492,7 +492,7 @@ class ModelWorker:
         usage = s.usage(now)
         if finish == "error":  # the request's own fault (its grammar): a 400 where nothing was sent yet
             self._send(s.job, Chunk(finish_reason=finish, error=s.error, rejected=True, usage=usage))
-        elif finish not in ("cancelled", "timeout"):  # first: the client's answer does not wait for the engine's cleanup
+        elif finish not in ("cancelled", "timeout"):  # sent first: the answer waits for no cleanup
             self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage), hand_over=True)
         try:
             self._engine.remove(seq)
