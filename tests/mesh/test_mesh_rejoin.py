@@ -27,5 +27,7 @@ def test_the_first_node_killed_and_back_after_it_was_dropped_rejoins(nodes):
     wait_for(lambda: served_models(back) == {"first": ["seed"], "second": ["member"]}, 10,
              "the seed sees the member again")
     wait_for(lambda: mesh_view(member).get("seed") == "up", 10, "the member sees the seed again")
+    wait_for(lambda: served_models(member) == {"first": ["seed"], "second": ["member"]}, 10,
+             "the member routes to the seed's model again")
     reply = chat(member, "first", max_tokens=2)
-    assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "seed"
+    assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "seed", (reply.text, dict(reply.headers))
