@@ -73,10 +73,10 @@ class Gateway:
             body = {"object": "list", "data": self.node.model_list()}
             return await _json(200, body, [self._served_by])(scope, receive, send)
         if scope["method"] == "GET" and path.startswith("/v1/models/"):  # any model the mesh lists
-            listed = {m["id"]: m for m in self.node.model_list()}
-            model = listed.get(path.removeprefix("/v1/models/"))
+            listed, wanted = {m["id"]: m for m in self.node.model_list()}, path.removeprefix("/v1/models/")
+            model = listed.get(wanted)
             if model is None:
-                message = (f"the model '{path.removeprefix('/v1/models/')}' does not exist in this mesh; "
+                message = (f"the model '{wanted}' does not exist in this mesh; "
                            f"available: {', '.join(listed) or 'none'}")
                 return await error_response(404, message, param="model", code="model_not_found")(scope, receive, send)
             return await _json(200, model, [self._served_by])(scope, receive, send)

@@ -41,6 +41,7 @@ class Change:
     kind: str
     id: str
     detail: str = ""
+    url: str | None = None  # a member that left or was dropped: where it was
 
 
 class Membership:
@@ -89,7 +90,7 @@ class Membership:
         if member is not None and member.record.version > version:
             return None  # it restarted since
         self._bury(member_id, version, left=True)
-        return Change("left", member_id) if member is not None else None
+        return Change("left", member_id, url=member.record.url) if member is not None else None
 
     def merge_all(self, records: Iterable[NodeRecord], left: Iterable[Tombstone]) -> list[Change]:
         changes = [self.leave(t.id, t.version) for t in left if t.id != self.self_id]
@@ -108,7 +109,7 @@ class Membership:
                 changes.append(Change("down", member.id, f"no heartbeat for {quiet:.1f}s"))
             elif member.down_since is not None and now - member.down_since > self.forget_after:
                 self._bury(member.id, member.record.version, left=False)
-                changes.append(Change("dropped", member.id))
+                changes.append(Change("dropped", member.id, url=member.record.url))
         for member_id, (_, when, _) in list(self._buried.items()):
             if now - when > self.tombstone_ttl:
                 del self._buried[member_id]

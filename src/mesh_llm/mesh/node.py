@@ -90,27 +90,22 @@ class MeshNode:
                          left=self.membership.left())
 
     def take_leave(self, notice: Leave) -> None:
-        urls = self._urls()
-        self._report([self.membership.leave(notice.id, notice.version)], urls)
+        self._report([self.membership.leave(notice.id, notice.version)])
 
     def sweep(self) -> None:
-        urls = self._urls()
-        self._report(self.membership.sweep(), urls)
+        self._report(self.membership.sweep())
 
-    def _urls(self) -> dict[str, str]:
-        return {m.id: m.record.url for m in self.membership.members()}
-
-    def _report(self, changes: list[Change | None], urls: dict[str, str] | None = None) -> None:
+    def _report(self, changes: list[Change | None]) -> None:
         for change in filter(None, changes):
             detail = f" ({change.detail})" if change.detail else ""
             log.info("mesh: %s %s%s", change.id, change.kind, detail)
             if change.kind in ("down", "left", "dropped"):
                 for event in self._lost.get(change.id, ()):
                     event.set()
-            if change.kind in ("left", "dropped") and urls and change.id in urls:
+            if change.url is not None:
                 # heartbeats keep knocking at its address: a restarted node that joins nobody (the
                 # mesh's first) is found again within a heartbeat, and the mesh never splits for good
-                self.seeds.add(urls[change.id])
+                self.seeds.add(change.url)
 
     @contextmanager
     def watch(self, member_id: str, model: str):

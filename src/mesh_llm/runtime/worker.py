@@ -515,17 +515,21 @@ class ModelWorker:
         """End each request older than ``--request-timeout``, waiting or running, between steps."""
         now = time.perf_counter()
         deadline = now - self._request_timeout
-        message = f"the request ran past the server's request timeout of {self._request_timeout:g} s"
         while True:  # waiting jobs are checked in order, so take them all out of the queue
             try:
                 self._pending.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        for job in [j for j in self._pending if j.submitted < deadline]:
+        expired = [j for j in self._pending if j.submitted < deadline]
+        ended = [seq for seq, s in self._active.items() if s.job.submitted < deadline]
+        if not expired and not ended:
+            return
+        message = f"the request ran past the server's request timeout of {self._request_timeout:g} s"
+        for job in expired:
             self._pending.remove(job)
             log.info("%s: a waiting request ended: %s", self.name, message)
             self._send(job, Chunk(finish_reason="error", error=message, timed_out=True))
-        for seq in [seq for seq, s in self._active.items() if s.job.submitted < deadline]:
+        for seq in ended:
             sequence = self._active[seq]
             self._send(sequence.job, Chunk(finish_reason="error", error=message, timed_out=True,
                                            usage=sequence.usage(now)))

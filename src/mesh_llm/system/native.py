@@ -97,9 +97,9 @@ def cxx_runtime_loaded() -> bool:
 
 # llama.cpp's CPU build runs its threads under OpenMP, whose barriers spin 300,000 times before they
 # sleep. With every core busy elsewhere, spinning threads take the cores from the ones they wait for:
-# four streams of the default model on 2 cores went from 119 tok/s to 16, one token gap 2.8 s
-# (docs/performance.md, "A CPU that other work shares"). 10,000 spins keep 0.94 of the speed alone and
-# 3.4 times the speed under load. Read once, when libgomp loads: a value the user set is kept.
+# four streams of the default model on 2 busy cores made 2.1 tok/s, a token every 3 s; with 10,000
+# spins 42.7, and the same speed as before on an idle machine (docs/performance.md, "A CPU that
+# other work shares"). Read once, when libgomp loads: a value the user set is kept.
 OPENMP_SPINS = "10000"
 _ADDED: set[str] = set()  # environment variables this process set for itself, not inherited
 
