@@ -351,14 +351,13 @@ def above_tail(steps: list[Step], floor: float = -10.0) -> list[Step]:
             for s in steps]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_random_arrivals_and_leaves_in_a_pool_that_keeps_filling(default_gguf, prompts, seed):
+def test_random_arrivals_and_leaves_in_a_pool_that_keeps_filling(default_gguf, prompts):
     """Twelve sequences with random prompts, sampling, lengths and arrival steps, three of them
     cut early by their clients, in a pool of 768 cells that they overfill many times over:
     preemptions happen, no step holds more cells than the pool, each stream that runs to its end
     has all its tokens and each follows its solo run within float16 rounding (to where a cut one
     stopped), and the pool is empty at the end."""
-    rng = random.Random(seed)
+    rng = random.Random(1)
     options = EngineOptions(ctx_size=512, threads=1, max_batch=6, prefill_step=64)
     engine = LlamaEngine.load(default_gguf, options, kv_cells=600)
     try:

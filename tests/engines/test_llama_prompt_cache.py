@@ -1,5 +1,5 @@
 """The llama.cpp engine's prompt cache, one sequence at a time: greedy tokens and their logprobs, bit
-for bit, are the same with and without it (exact repeat, extension, branch, 60 random requests with
+for bit, are the same with and without it (exact repeat, extension, branch, random requests with
 shared prefixes), on the embedded SmolLM2 (Q4_1) and on tiny random-weight GGUFs: an F16 llama
 (llama.cpp's sgemm path), and the kinds that resume from checkpoints: a sliding window of 8 tokens
 (gemma2), recurrent state (mamba) and a hybrid of short convolutions and attention (lfm2).
@@ -40,6 +40,7 @@ TRIMMABLE = {"smollm2", "llama"}  # cut back anywhere; the others resume from ch
 # tokens and chunks of 64.
 STEP = {"smollm2": 64}
 LONGEST = {"smollm2": 200}
+REQUESTS = {"smollm2": 30}  # each one read by two engines
 # Tight budgets: room for a few states of 10-60 tokens (SmolLM2 holds 23 KB of KV a token).
 TIGHT = {"smollm2": 8_000_000, "llama": 60_000, "gemma2": 60_000, "mamba": 100_000, "lfm2": 60_000}
 
@@ -116,7 +117,7 @@ def test_repeat_extension_and_branch_give_the_same_output(pair, kind):
 @pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_requests_with_shared_prefixes(pair, kind, roomy):
-    """60 seeded requests: continuations of earlier ones, documents with other questions, repeats.
+    """60 seeded requests (30 on SmolLM2): continuations of earlier ones, documents with other questions, repeats.
     Roomy: cached_tokens is exactly what the stored states allow. Tight: evictions happen and the
     budget is never exceeded."""
     limit = 1 << 30 if roomy else TIGHT[kind]
@@ -126,7 +127,8 @@ def test_random_requests_with_shared_prefixes(pair, kind, roomy):
     documents = [randoms(rng, kind, rng.randrange(8, LONGEST.get(kind, 60))) for _ in range(4)]
     history: list[tuple[list[int], list[int]]] = []  # (prompt, the tokens its generation held)
     stored: set[tuple[int, ...]] = set()  # every state a checkpoint kind may resume from
-    for i in range(60):
+    requests = REQUESTS.get(kind, 60)
+    for i in range(requests):
         roll = rng.random()
         if history and roll < 0.3:
             prompt = rng.choice(history)[1] + randoms(rng, kind, rng.randrange(1, 6))
@@ -159,7 +161,7 @@ def test_random_requests_with_shared_prefixes(pair, kind, roomy):
             stored.add(tuple(prompt))
         history.append((prompt, prompt + tokens(out)[: n - 1]))
     stats = cached.cache_stats()
-    assert stats["hits"] > (20 if roomy else 5)
+    assert stats["hits"] > requests // (3 if roomy else 12)
     assert (stats["evictions"] > 0) != roomy
 
 

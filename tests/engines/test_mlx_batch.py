@@ -675,14 +675,13 @@ def test_random_arrivals_lengths_and_leaves_read_together_and_pipelined_answer_a
     engine.close()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_random_arrivals_in_short_memory_are_preempted_and_answer_as_alone(smollm, monkeypatch, seed):
+def test_random_arrivals_in_short_memory_are_preempted_and_answer_as_alone(smollm, monkeypatch):
     """The GPU's reading and stepping on this CPU (chunks read together, pipelined, slots kept) with
     KV memory for three 256-token sequences: eight prompts of 170-240 tokens, half of them starting
     with the same 40, none bounded by max_tokens, arriving over eight steps; two removed at random
     steps. Sequences are preempted mid-prompt or mid-answer, newcomers wait for room, and every
     sequence not removed answers as it does alone."""
-    rng = random.Random(seed)
+    rng = random.Random(1)
     engine = preempting(smollm, monkeypatch, 3, max_batch=8, pipelined=True, together=True,
                         keep_slots=True, cache_bytes=1 << 30)
     vocab, context = engine.tokenizer.vocab_size, engine.info().context_length
