@@ -131,8 +131,8 @@ def serve(
                                 rich_help_panel="Mesh"),
     discover: bool = typer.Option(False, "--discover", help="Find members with the same token on the "
                                   "local network by mDNS, and be found.", rich_help_panel="Mesh"),
-    node_name: Optional[str] = typer.Option(None, help="This node's id in the mesh (default: "
-                                            "hostname-<random>).", rich_help_panel="Mesh"),
+    node_name: Optional[str] = typer.Option(None, help="This node's id in the mesh; its signing key is kept under "
+                                            "that name (default: hostname-<random>).", rich_help_panel="Mesh"),
     advertise_url: Optional[str] = typer.Option(None, help="The API address peers use to reach this node "
                                                 "(default: from --host and --port).", rich_help_panel="Mesh"),
     first_byte_timeout: float = typer.Option(10.0, help="Seconds a peer may stay silent before the next "

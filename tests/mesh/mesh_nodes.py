@@ -3,6 +3,7 @@ start_server), the same over HTTPS, and a stub peer that accepts connections and
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import ssl
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mesh_llm.mesh.identity import NodeKey
 from mesh_llm.mesh.security import MeshAuth
 from support import Server, free_port, start_server
 
@@ -70,6 +72,16 @@ def chat(server: Server, model: str, content: str = "Say hi.", headers: dict | N
 def signed(method: str, path: str, body: bytes = b"", token: str = TOKEN) -> dict[str, str]:
     """The headers a node sends with a request: its signature under the mesh token."""
     return {**MeshAuth(token).headers(method, path, body), "content-type": "application/json"}
+
+
+def sealed(body: dict, key: NodeKey) -> dict:
+    """``body`` (a record or a leave notice) signed with ``key``, as a node sends it."""
+    return key.signed(json.dumps(body)).model_dump()
+
+
+def beat(record: dict, key: NodeKey, **rest) -> bytes:
+    """A heartbeat whose sender is ``record``, signed with ``key``."""
+    return json.dumps({"sender": sealed(record, key), **rest}).encode()
 
 
 def mesh_view(server: Server, token: str = TOKEN) -> dict[str, str]:

@@ -12,7 +12,9 @@ import time
 
 import httpx
 import pytest
-from mesh_nodes import SilentPeer, chat, mesh_view, served_models, signed, wait_for
+from mesh_nodes import SilentPeer, beat, chat, mesh_view, served_models, signed, wait_for
+
+from mesh_llm.mesh.identity import NodeKey
 
 pytestmark = pytest.mark.slow  # real servers or real models: `make check` leaves it out
 
@@ -96,8 +98,8 @@ def test_a_silent_peer_costs_at_most_the_first_byte_timeout(mesh):
     try:
         record = {"id": "stub", "url": stub.url, "version": [time.time_ns(), 1],
                   "models": [{"id": "dup", "context_length": 2048}]}
-        beat = json.dumps({"sender": record}).encode()
-        joined = httpx.post(y.url + "/mesh/heartbeat", content=beat, headers=signed("POST", "/mesh/heartbeat", beat),
+        sent = beat(record, NodeKey.generate())
+        joined = httpx.post(y.url + "/mesh/heartbeat", content=sent, headers=signed("POST", "/mesh/heartbeat", sent),
                             timeout=10)
         assert joined.status_code == 200
         start = time.monotonic()

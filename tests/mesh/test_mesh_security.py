@@ -17,8 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mesh_nodes import LEAN, TOKEN, chat, signed
+from mesh_nodes import LEAN, TOKEN, beat, chat, sealed, signed
 
+from mesh_llm.mesh.identity import NodeKey
 from support import free_port, start_server
 
 
@@ -70,8 +71,10 @@ def test_the_printed_token_joins_and_the_wrong_one_is_refused(node, token, tmp_p
 def test_node_to_node_routes_need_a_signature_with_the_token(node, token):
     """Refused: no signature, the token itself in a header (as nodes sent it before), a signature under
     another token, one made for another route or body, and one seen before."""
-    beat = json.dumps({"sender": {"id": "intruder", "url": "http://127.0.0.1:1", "version": [1, 1]}}).encode()
-    routes = (("POST", "/mesh/heartbeat", beat), ("POST", "/mesh/leave", b'{"id": "intruder", "version": [1, 2]}'),
+    key = NodeKey.generate()
+    joins = beat({"id": "intruder", "url": "http://127.0.0.1:1", "version": [1, 1]}, key)
+    leaves = json.dumps(sealed({"id": "intruder", "version": [1, 2]}, key)).encode()
+    routes = (("POST", "/mesh/heartbeat", joins), ("POST", "/mesh/leave", leaves),
               ("GET", "/api/mesh", b""), ("GET", "/api/status", b""))
     for method, path, body in routes:
         used = signed(method, path, body, token=token)
@@ -93,6 +96,36 @@ def test_node_to_node_routes_need_a_signature_with_the_token(node, token):
     assert [m["id"] for m in members] == ["guard"]  # the intruder that the signed requests added, then took away
 
 
+def test_no_member_can_speak_for_another(node, token):
+    """A member's records and leave notice are signed with its own key: another member that holds the
+    token can relay them but not forge them. A record of it at a version no restart could reach (which
+    once evicted a live node for ten minutes) and a leave in its name change nothing, and are logged."""
+    own, forger = NodeKey.generate(), NodeKey.generate()
+    now = time.time_ns()
+
+    def post(path: str, body: bytes) -> httpx.Response:
+        reply = httpx.post(node.url + path, content=body, headers=signed("POST", path, body, token=token), timeout=10)
+        assert reply.status_code == 200, reply.text
+        return reply
+
+    def member() -> dict | None:
+        reply = httpx.get(node.url + "/api/mesh", headers=signed("GET", "/api/mesh", token=token), timeout=10)
+        return next((m for m in reply.json()["members"] if m["id"] == "honest"), None)
+
+    honest = {"id": "honest", "url": "http://127.0.0.1:1", "version": [now, 1]}
+    post("/mesh/heartbeat", beat(honest, own))
+    assert member()["key"] == own.public and member()["version"] == [now, 1]
+    forged = {**honest, "version": [2**63, 2**63], "models": [{"id": "guarded"}]}
+    post("/mesh/heartbeat", beat({"id": "forger", "url": "http://127.0.0.1:2", "version": [now, 1]}, forger,
+                                 members=[sealed(forged, forger)]))
+    post("/mesh/heartbeat", beat(forged, forger))
+    post("/mesh/leave", json.dumps(sealed({"id": "honest", "version": [2**63, 2**63]}, forger)).encode())
+    assert member()["version"] == [now, 1] and member()["models"] == []
+    assert "honest refused (a record signed by another key than the member's)" in node.output()
+    post("/mesh/leave", json.dumps(sealed({"id": "honest", "version": [now, 2]}, own)).encode())
+    assert member() is None  # its own notice is taken
+
+
 class Impostor:
     """An HTTP listener that answers every request 200 with a plausible heartbeat and keeps every byte
     it is sent: a node that heard the mesh's announcement but does not hold its token."""
@@ -104,7 +137,7 @@ class Impostor:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
-        reply = json.dumps({"sender": {"id": "impostor", "url": self.url, "version": [1, 1]}}).encode()
+        reply = beat({"id": "impostor", "url": self.url, "version": [1, 1]}, NodeKey.generate())
         while True:
             try:
                 conn, _ = self.sock.accept()
@@ -174,8 +207,12 @@ def _answers(port: int) -> bool:
         return False
 
 
+PEER = NodeKey.generate()
+
+
 def record(**changes) -> dict:
-    return {"id": "peer-1", "url": "http://127.0.0.1:9", "version": [1, 1], **changes}
+    """A heartbeat's sender: a peer's record with ``changes``, signed with the peer's key."""
+    return sealed({"id": "peer-1", "url": "http://127.0.0.1:9", "version": [1, 1], **changes}, PEER)
 
 
 GARBAGE = [
@@ -184,6 +221,10 @@ GARBAGE = [
     ("not utf-8", "/mesh/heartbeat", b"\xff\xfe\x00\x01", 400),
     ("empty", "/mesh/heartbeat", b"", 400),
     ("no sender", "/mesh/heartbeat", {"members": []}, 400),
+    ("an unsigned record", "/mesh/heartbeat", {"sender": {"id": "peer-1", "url": "http://127.0.0.1:9",
+                                                          "version": [1, 1]}}, 400),
+    ("a signature that is not base64", "/mesh/heartbeat", {"sender": {**record(), "sig": "!" * 86}}, 400),
+    ("a signed list", "/mesh/heartbeat", {"sender": sealed([1, 2], PEER)}, 400),
     ("file url", "/mesh/heartbeat", {"sender": record(url="file:///etc/passwd")}, 400),
     ("url with a path", "/mesh/heartbeat", {"sender": record(url="http://127.0.0.1:9/v1")}, 400),
     ("id with a newline", "/mesh/heartbeat", {"sender": record(id="a\r\nx-evil: 1")}, 400),
@@ -194,7 +235,8 @@ GARBAGE = [
     ("deep nesting", "/mesh/heartbeat", b'{"sender": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
     ("two megabytes", "/mesh/heartbeat", b'{"sender": "' + b"x" * (2 * 1024 * 1024) + b'"}', 413),
     ("our own id", "/mesh/heartbeat", {"sender": record(id="guard")}, 409),
-    ("leave without id", "/mesh/leave", {"version": [1, 1]}, 400),
+    ("leave without id", "/mesh/leave", sealed({"version": [1, 1]}, PEER), 400),
+    ("unsigned leave", "/mesh/leave", {"id": "peer-1", "version": [1, 1]}, 400),
     ("leave as text", "/mesh/leave", b"goodbye", 400),
 ]
 

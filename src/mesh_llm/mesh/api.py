@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_llm.api.app import bearer_matches
 from mesh_llm.api.errors import APIError, error_response
-from mesh_llm.mesh.records import Heartbeat, Leave
+from mesh_llm.mesh.identity import BadSignature, opened
+from mesh_llm.mesh.records import Heartbeat, NodeRecord, Signed
 from mesh_llm.mesh.security import AUTH_HEADER
 
 MAX_PEER_BODY = 1024 * 1024
@@ -57,7 +58,7 @@ def control_app(node, api_key: str | None) -> FastAPI:
     async def heartbeat(signed_body: tuple[bytes, str] = Depends(peer)) -> Response:
         body, nonce = signed_body
         beat = _parse(body, Heartbeat)
-        if beat.sender.id == node.id:
+        if _opened(beat.sender, NodeRecord, "sender").id == node.id:
             raise APIError(409, f"a node with the id '{node.id}' is already in this mesh at {node.url}",
                            param="sender.id", code="node_id_taken")
         reply = node.take_heartbeat(beat).model_dump_json().encode()
@@ -65,20 +66,25 @@ def control_app(node, api_key: str | None) -> FastAPI:
 
     @app.post("/mesh/leave")
     async def leave(signed_body: tuple[bytes, str] = Depends(peer)) -> dict:
-        node.take_leave(_parse(signed_body[0], Leave))
+        notice = _parse(signed_body[0], Signed)
+        try:
+            node.take_leave(notice)
+        except BadSignature as exc:
+            raise APIError(400, f"invalid leave: {exc}", param="body", code="invalid_value") from None
         return {"ok": True}
 
     @app.get("/api/status", dependencies=[Depends(reader)])
     async def status() -> dict:
         record = node.record()
-        return {**record.model_dump(mode="json"), "uptime_s": round(node.uptime(), 1),
+        return {**record.model_dump(mode="json"), "key": node.key.public, "uptime_s": round(node.uptime(), 1),
                 "members_up": len(node.membership.up()), "members_down": len(node.membership.members())
                 - len(node.membership.up())}
 
     @app.get("/api/mesh", dependencies=[Depends(reader)])
     async def mesh() -> dict:
-        own = {**node.record().model_dump(mode="json"), "state": "self", "last_heartbeat_s": 0.0}
-        members = [{**m.record.model_dump(mode="json"), "state": "up" if m.up else "down",
+        own = {**node.record().model_dump(mode="json"), "key": node.key.public, "state": "self",
+               "last_heartbeat_s": 0.0}
+        members = [{**m.record.model_dump(mode="json"), "key": m.signed.key, "state": "up" if m.up else "down",
                     "last_heartbeat_s": round(node.membership.age(m), 2)}
                    for m in sorted(node.membership.members(), key=lambda m: m.id)]
         return {"node": node.id, "members": [own, *members], "models": node.model_list()}
@@ -100,6 +106,13 @@ async def _body(request: Request) -> bytes:
             raise APIError(413, f"the body is over {MAX_PEER_BODY} bytes", code="request_too_large")
     request.state.peer_body = bytes(body)
     return request.state.peer_body
+
+
+def _opened(signed: Signed, shape: type[BaseModel], param: str):
+    try:
+        return opened(signed, shape)
+    except BadSignature as exc:
+        raise APIError(400, f"invalid heartbeat: {exc}", param=param, code="invalid_value") from None
 
 
 def _parse(body: bytes, shape: type[BaseModel]):

@@ -13,7 +13,8 @@ import logging
 import httpx
 from pydantic import ValidationError
 
-from mesh_llm.mesh.records import Heartbeat, Leave
+from mesh_llm.mesh.identity import BadSignature, opened
+from mesh_llm.mesh.records import Heartbeat, NodeRecord
 from mesh_llm.mesh.security import AUTH_HEADER
 
 log = logging.getLogger("mesh_llm.mesh")
@@ -47,11 +48,10 @@ def join(node, seeds: list[str], verify) -> None:
                 errors.append(f"{seed} answered the join without proving it holds the mesh token")
                 continue
             try:
-                beat = Heartbeat.model_validate_json(reply.content)
-            except ValidationError:
+                node.take_heartbeat(Heartbeat.model_validate_json(reply.content), reached=True)
+            except (ValidationError, BadSignature):
                 errors.append(f"{seed} answered the join with something that is not a mesh heartbeat")
                 continue
-            node.take_heartbeat(beat, reached=True)
             node.seeds.discard(seed)
             return
     raise JoinRefused((refused or errors)[0])
@@ -107,10 +107,11 @@ class Heartbeater:
             return
         try:
             beat = Heartbeat.model_validate_json(reply.content)
-        except ValidationError:
+            sender = opened(beat.sender, NodeRecord)
+        except (ValidationError, BadSignature):
             log.warning("%s answered a heartbeat with something else; ignored", url)
             return
-        if member_id is not None and beat.sender.id != member_id:
+        if member_id is not None and sender.id != member_id:
             return  # another node now lives at that address: its own heartbeats will introduce it
         self.node.take_heartbeat(beat, reached=True)
         self.node.seeds.discard(url)
@@ -118,7 +119,7 @@ class Heartbeater:
     async def leave(self) -> None:
         """Tell every member this node is leaving, so they drop it now rather than in seconds."""
         node = self.node
-        notice = Leave(id=node.id, version=node.bump()).model_dump_json().encode()
+        notice = node.leave_notice().model_dump_json().encode()
         members = node.membership.up()
         results = await asyncio.gather(*(self.http.post(m.record.url + "/mesh/leave", content=notice,
                                                         headers=_headers(node, "/mesh/leave", notice), timeout=1.0)

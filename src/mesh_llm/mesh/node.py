@@ -20,8 +20,9 @@ import httpx
 
 from mesh_llm.mesh.config import MeshConfig
 from mesh_llm.mesh.heartbeat import Heartbeater
+from mesh_llm.mesh.identity import BadSignature, NodeKey, opened, verified
 from mesh_llm.mesh.membership import Change, Membership
-from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord
+from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord, Signed
 from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
 from mesh_llm.mesh.security import MeshAuth, client_tls
 
@@ -34,6 +35,9 @@ class MeshNode:
         node's API address as peers reach it."""
         self.config = config
         self.id = config.node_name or f"{socket.gethostname().split('.')[0][:48]}-{secrets.token_hex(3)}"
+        # a named node comes back as itself after a restart: its key is kept; a default name is new
+        # at each start, and so is its key
+        self.key = NodeKey.kept(key_path(config.node_name)) if config.node_name else NodeKey.generate()
         self.url = url.rstrip("/")
         self.local = {m.id: m for m in models}
         self.membership = Membership(self.id, config.down_after, config.forget_after)
@@ -75,22 +79,31 @@ class MeshNode:
 
     def heartbeat(self) -> Heartbeat:
         self.bump()
-        return Heartbeat(sender=self.record(), members=[m.record for m in self.membership.up()],
+        return self._heartbeat()
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(sender=self.key.sign(self.record()), members=[m.signed for m in self.membership.up()],
                          left=self.membership.left())
+
+    def leave_notice(self) -> Signed:
+        return self.key.sign(Leave(id=self.id, version=self.bump()))
 
     # -- what others say -------------------------------------------------------------------------------
 
     def take_heartbeat(self, beat: Heartbeat, reached: bool = False) -> Heartbeat:
-        """Merge a heartbeat (sent to us, or the answer to ours); returns our answer."""
-        changes = self.membership.merge_all([beat.sender, *beat.members], beat.left)
+        """Merge a heartbeat (sent to us, or the answer to ours); returns our answer. Records and
+        notices that are not what they claim are left out; :class:`BadSignature` for the sender's."""
+        sender = opened(beat.sender, NodeRecord)
+        records = [(sender, beat.sender), *_all_opened(beat.members, NodeRecord)]
+        changes = self.membership.merge_all(records, _all_opened(beat.left, Leave), verified)
         if reached:
-            changes.append(self.membership.reached(beat.sender.id))
+            changes.append(self.membership.reached(sender.id, beat.sender.key))
         self._report(changes)
-        return Heartbeat(sender=self.record(), members=[m.record for m in self.membership.up()],
-                         left=self.membership.left())
+        return self._heartbeat()
 
-    def take_leave(self, notice: Leave) -> None:
-        self._report([self.membership.leave(notice.id, notice.version)])
+    def take_leave(self, signed: Signed) -> None:
+        """:class:`BadSignature` when it is not a leave notice."""
+        self._report([self.membership.leave(opened(signed, Leave), signed, verified)])
 
     def sweep(self) -> None:
         self._report(self.membership.sweep())
@@ -98,7 +111,8 @@ class MeshNode:
     def _report(self, changes: list[Change | None]) -> None:
         for change in filter(None, changes):
             detail = f" ({change.detail})" if change.detail else ""
-            log.info("mesh: %s %s%s", change.id, change.kind, detail)
+            log.log(logging.WARNING if change.kind == "refused" else logging.INFO, "mesh: %s %s%s",
+                    change.id, change.kind, detail)
             if change.kind in ("down", "left", "dropped"):
                 for event in self._lost.get(change.id, ()):
                     event.set()
@@ -211,6 +225,23 @@ class MeshNode:
 
     def uptime(self) -> float:
         return time.time() - self._started
+
+
+def key_path(node_name: str):
+    from mesh_llm.models.spec import home_dir
+
+    return home_dir() / "mesh" / "keys" / f"{node_name}.key"
+
+
+def _all_opened(items: list[Signed], shape):
+    """(body, signed) for each item whose body is the shape it claims; the rest are left out."""
+    out = []
+    for signed in items:
+        try:
+            out.append((opened(signed, shape), signed))
+        except BadSignature:
+            continue
+    return out
 
 
 def _load(worker) -> Load:

@@ -1,5 +1,6 @@
 """What nodes tell each other, as validated shapes: a node's record (who it is, where its API is,
-what it serves, how busy it is), the heartbeat that carries records, and the leave notice.
+what it serves, how busy it is), the leave notice, each signed by its author, and the heartbeat
+that carries them.
 
 A peer's bytes are input like a client's: every field has bounds, unknown fields are dropped, and
 anything else is refused with a 400 before it reaches the membership table."""
@@ -69,19 +70,22 @@ class NodeRecord(_Strict):
         return value.rstrip("/")
 
 
-class Tombstone(_Strict):
-    """A member that left (or was dropped) at ``version``: older news of it is ignored."""
+class Signed(_Strict):
+    """A record or leave notice in its author's own bytes, with its author's Ed25519 key and
+    signature (``mesh/identity.py``): relayed as it is, so every node checks the author's word."""
 
-    id: NodeId
-    version: Version
+    body: Annotated[str, Field(max_length=128 * 1024)]
+    key: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{43}$")]  # 32 bytes, base64url
+    sig: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{86}$")]  # 64 bytes, base64url
 
 
 class Heartbeat(_Strict):
-    """Sent both ways: a node's own record, the members it sees up, and those that left."""
+    """Sent both ways: a node's own signed record, the records of the members it sees up, and the
+    leave notices of those that left."""
 
-    sender: NodeRecord
-    members: Annotated[list[NodeRecord], Field(max_length=1024)] = []
-    left: Annotated[list[Tombstone], Field(max_length=4096)] = []
+    sender: Signed
+    members: Annotated[list[Signed], Field(max_length=1024)] = []
+    left: Annotated[list[Signed], Field(max_length=4096)] = []
 
 
 class Leave(_Strict):
