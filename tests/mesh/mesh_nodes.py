@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from mesh_llm.mesh.identity import NodeKey
-from mesh_llm.mesh.security import MeshAuth
+from mesh_llm.mesh.security import AUTH_HEADER, MeshAuth
 from support import Server, free_port, start_server
 
 TOKEN = "mesh-test-token-0123456789abcdef"
@@ -131,6 +131,79 @@ class SilentPeer:
         self.sock.close()
         for conn in self._conns:
             conn.close()
+
+
+class FakeMember:
+    """A member that holds the token and keeps its place in the mesh (it answers heartbeats with its
+    signed record, each a newer version) but serves nothing it advertises: a request for a model
+    hangs (``mode="hang"``) or gets a made-up answer that names another node as its server
+    (``mode="claims"``). ``served`` counts the requests that reached it."""
+
+    def __init__(self, name: str, models: list[str], mode: str = "hang", token: str = TOKEN):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.name, self.models, self.mode, self.served = name, models, mode, 0
+        self.key, self.auth, self.seq = NodeKey.generate(), MeshAuth(token), 0
+        self.started, self.closed = time.time_ns(), threading.Event()
+        member = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path == "/mesh/heartbeat":
+                    nonce = member.auth.check(self.headers.get(AUTH_HEADER), "POST", self.path, body)
+                    if nonce is None:
+                        return self._reply(401, b"{}")
+                    reply = member.heartbeat()
+                    return self._reply(200, reply, {AUTH_HEADER: member.auth.answer(nonce, reply)})
+                member.served += 1
+                if member.mode == "hang":
+                    member.closed.wait()
+                    return None
+                answer = {"id": "x", "object": "chat.completion", "created": 0, "model": member.models[0],
+                          "choices": [{"index": 0, "finish_reason": "stop",
+                                       "message": {"role": "assistant", "content": "made up"}}]}
+                head = {"status": 200, "headers": [["content-type", "application/json"],
+                                                   ["x-mesh-served-by", "someone-else"]]}
+                relayed = json.dumps(head).encode() + b"\n" + json.dumps(answer).encode()
+                return self._reply(200, relayed, {"x-mesh-relay": "1", "content-type": "application/x-mesh-relay"})
+
+            def _reply(self, status: int, body: bytes, headers: dict | None = None) -> None:
+                self.send_response(status)
+                for name, value in {"content-type": "application/json", **(headers or {})}.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def heartbeat(self) -> bytes:
+        self.seq += 1
+        record = {"id": self.name, "url": self.url, "version": [self.started, self.seq],
+                  "models": [{"id": m, "context_length": 8192, "load": {"max_batch": 64}} for m in self.models]}
+        return beat(record, self.key)
+
+    def join(self, server: Server) -> None:
+        sent = self.heartbeat()
+        reply = httpx.post(server.url + "/mesh/heartbeat", content=sent,
+                           headers={**self.auth.headers("POST", "/mesh/heartbeat", sent),
+                                    "content-type": "application/json"}, timeout=10)
+        assert reply.status_code == 200, reply.text
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @dataclass

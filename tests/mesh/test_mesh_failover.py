@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from mesh_nodes import SilentPeer, beat, chat, mesh_view, served_models, signed, wait_for
+from mesh_nodes import FakeMember, SilentPeer, beat, chat, mesh_view, served_models, signed, wait_for
 
 from mesh_llm.mesh.identity import NodeKey
 
@@ -116,6 +116,48 @@ def test_a_silent_peer_costs_at_most_the_first_byte_timeout(mesh):
         wait_for(lambda: served_models(w)["dup"] == ["y"], 10, "w does not route to the stub")
     finally:
         stub.close()
+
+
+def test_a_member_that_hangs_while_it_heartbeats_goes_last_until_it_serves(mesh):
+    """A member that keeps answering heartbeats but hangs on every request (as one whose engine is
+    stuck): the first request sent to it costs y its first-byte timeout, then y sends the model's
+    requests elsewhere for a while, and /api/mesh says for how long."""
+    y = mesh["y"]
+    stuck = FakeMember("stuck", ["dup"], mode="hang")
+    try:
+        stuck.join(y)
+        wait_for(lambda: served_models(y).get("dup") == ["stuck", "y"], 10, "y lists the member's model")
+        first = chat(y, "dup", headers={"x-mesh-target": "stuck"}, max_tokens=2)
+        assert first.status_code == 200 and first.headers["x-mesh-served-by"] == "y"
+        assert first.headers["x-mesh-failed"] == f"stuck: sent nothing in {FIRST_BYTE_TIMEOUT:g}s"
+        (member,) = [m for m in mesh_members(y) if m["id"] == "stuck"]
+        assert member["state"] == "up" and 0 < member["demoted"]["dup"] <= 10
+        for i in range(6):  # without the demotion, about half of these would wait on it first
+            reply = chat(y, "dup", content=f"Question {i}: say hi.", max_tokens=2)
+            assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "y"
+            assert "x-mesh-failed" not in reply.headers
+        assert stuck.served == 1 and mesh_view(y)["stuck"] == "up"
+        assert "stuck goes last for dup for 10s (sent nothing in 2s)" in y.output()
+    finally:
+        stuck.close()
+
+
+def test_which_node_served_is_the_entry_node_s_word_not_the_peer_s(mesh):
+    y = mesh["y"]
+    teller = FakeMember("teller", ["dup"], mode="claims")
+    try:
+        teller.join(y)
+        wait_for(lambda: "teller" in served_models(y).get("dup", []), 10, "y lists the member's model")
+        reply = chat(y, "dup", headers={"x-mesh-target": "teller"}, max_tokens=2)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "made up"
+        assert reply.headers.get_list("x-mesh-served-by") == ["teller"]  # it wrote "someone-else"
+    finally:
+        teller.close()
+
+
+def mesh_members(server) -> list[dict]:
+    reply = httpx.get(server.url + "/api/mesh", headers=signed("GET", "/api/mesh"), timeout=10)
+    return reply.json()["members"]
 
 
 def test_the_killed_node_restarts_and_rejoins(mesh):

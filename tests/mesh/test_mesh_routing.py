@@ -7,8 +7,9 @@ from mesh_llm.mesh.proxy import Answer, verdict
 from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
 
 
-def node(node_id: str, active=0, waiting=0, max_batch=1, context=8192, reachable=True, free_kv=None):
-    return Candidate(node_id, False, context, active, waiting, max_batch, free_kv, reachable)
+def node(node_id: str, active=0, waiting=0, max_batch=1, context=8192, reachable=True, free_kv=None,
+         demoted=False):
+    return Candidate(node_id, False, context, active, waiting, max_batch, free_kv, reachable, demoted)
 
 
 def ids(ranked) -> list[str]:
@@ -34,6 +35,23 @@ def test_a_node_without_free_kv_for_the_prompt_counts_as_saturated():
 def test_context_that_fits_comes_first_but_the_rest_stay_as_fallback():
     ranked = order([node("small", context=2048), node("big", active=1, context=32768)], need_tokens=4000)
     assert ids(ranked) == ["big", "small"]
+
+
+def test_a_demoted_node_goes_after_busier_ones_and_loses_its_affinity_but_stays_a_fallback():
+    ranked = order([node("liar", demoted=True), node("busy", active=1, waiting=3), node("small", context=10)],
+                   need_tokens=100, prefix="p", affinity="liar")
+    assert ids(ranked) == ["busy", "liar", "small"]  # a context that does not fit still goes last
+    assert ids(order([node("liar", demoted=True), node("busy", active=1)], need_tokens=10, target="liar"))[0] == "liar"
+
+
+def test_which_failures_demote_a_node():
+    from mesh_llm.mesh.proxy import Failure
+
+    def said(status: int) -> Failure:
+        return Failure("x", Answer(status, [], b"{}"))
+
+    assert Failure("sent nothing in 10s").at_fault and said(500).at_fault and said(404).at_fault
+    assert not said(429).at_fault and not said(400).at_fault  # full, or a prompt over its context
 
 
 def test_unreachable_nodes_go_last():

@@ -85,6 +85,7 @@ def control_app(node, api_key: str | None) -> FastAPI:
         own = {**node.record().model_dump(mode="json"), "key": node.key.public, "state": "self",
                "last_heartbeat_s": 0.0}
         members = [{**m.record.model_dump(mode="json"), "key": m.signed.key, "state": "up" if m.up else "down",
+                    "demoted": node.demoted(m.id),
                     "last_heartbeat_s": round(node.membership.age(m), 2)}
                    for m in sorted(node.membership.members(), key=lambda m: m.id)]
         return {"node": node.id, "members": [own, *members], "models": node.model_list()}

@@ -131,8 +131,12 @@ class Gateway:
                 return
             if failure is None:
                 self.node.affinity.record(prefix, candidate.id)
+                if not candidate.local:
+                    self.node.served(candidate.id, model)
                 return
             log.warning("mesh: %s could not serve %s: %s", candidate.id, model, failure.reason)
+            if not candidate.local and failure.at_fault:
+                self.node.demote(candidate.id, model, failure.reason)
             failures.append((candidate.id, failure))
         await self._unavailable(model, failures, send, scope, receive)
 
@@ -171,7 +175,7 @@ class Gateway:
         with self.node.watch(member_id, model) as lost:
             return await attempt(self.node.http, member.record.url, scope, body, headers,
                                  self.node.config.first_byte_timeout, lost, receive, send, extra,
-                                 idle_timeout=self.node.config.stream_idle_timeout)
+                                 idle_timeout=self.node.config.stream_idle_timeout, served_by=member_id)
 
     async def _unavailable(self, model: str, failures: list[tuple[str, Failure]], send, scope, receive):
         """No node served it: a node's own client-side answer if one gave one (a full queue, a prompt

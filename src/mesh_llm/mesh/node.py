@@ -28,6 +28,10 @@ from mesh_llm.mesh.security import MeshAuth, client_tls
 
 log = logging.getLogger("mesh_llm.mesh")
 
+# A member that fails a request for a model goes last for that model for 10 s, doubled at each
+# failure in a row up to 5 minutes; one request it serves clears it.
+DEMOTE_FIRST_S, DEMOTE_LONGEST_S = 10.0, 300.0
+
 
 class MeshNode:
     def __init__(self, config: MeshConfig, models: list, url: str):
@@ -50,6 +54,7 @@ class MeshNode:
         self._incarnation, self._seq, self._started = time.time_ns(), 0, time.time()
         self._in_flight: Counter[tuple[str, str]] = Counter()  # (member, model) -> requests sent there
         self._lost: dict[str, set[asyncio.Event]] = {}
+        self._demoted: dict[tuple[str, str], tuple[float, int]] = {}  # (member, model) -> (until, failures)
         self.http: httpx.AsyncClient | None = None
         self._heartbeater: Heartbeater | None = None
         self._tasks: list[asyncio.Task] = []
@@ -140,6 +145,25 @@ class MeshNode:
 
     # -- routing ---------------------------------------------------------------------------------------
 
+    def demote(self, member_id: str, model: str, reason: str) -> None:
+        """The member failed a request for ``model``: it goes last for that model for a while."""
+        now = time.monotonic()
+        for key in [k for k, (until, _) in self._demoted.items() if until + DEMOTE_LONGEST_S < now]:
+            del self._demoted[key]  # long past: its next failure counts as a first
+        _, failures = self._demoted.get((member_id, model), (0.0, 0))
+        seconds = min(DEMOTE_FIRST_S * 2**failures, DEMOTE_LONGEST_S)
+        self._demoted[member_id, model] = (now + seconds, failures + 1)
+        log.warning("mesh: %s goes last for %s for %.0fs (%s)", member_id, model, seconds, reason)
+
+    def served(self, member_id: str, model: str) -> None:
+        self._demoted.pop((member_id, model), None)
+
+    def demoted(self, member_id: str) -> dict[str, float]:
+        """Model -> seconds the member still goes last for it."""
+        now = time.monotonic()
+        return {model: round(until - now, 1) for (member, model), (until, _) in self._demoted.items()
+                if member == member_id and until > now}
+
     def candidates(self, model: str, body: dict, target: str | None, exclude: frozenset[str]
                    ) -> tuple[list[Candidate], str | None]:
         """The nodes that serve ``model``, best first, and the request's prompt-prefix key."""
@@ -156,8 +180,9 @@ class MeshNode:
             load, mine = entry.load, self._in_flight[member.id, model]
             waiting = load.waiting + max(0, mine - load.active - load.waiting)
             reachable = self.membership.unanswered(member) <= 2 * self.config.heartbeat_interval + 1
+            demoted = self._demoted.get((member.id, model), (0.0, 0))[0] > time.monotonic()
             pool.append(Candidate(member.id, False, entry.context_length, load.active, waiting,
-                                  load.max_batch, load.free_kv, reachable))
+                                  load.max_batch, load.free_kv, reachable, demoted))
         prefix = prefix_key(model, body)
         ranked = order(pool, need_tokens=estimate_tokens(body), prefix=prefix,
                        affinity=self.affinity.get(prefix), target=target, exclude=exclude)

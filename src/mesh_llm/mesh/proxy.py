@@ -24,6 +24,8 @@ MAX_ERROR_BODY = 1024 * 1024
 _NOT_FORWARDED = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                   "trailer", "upgrade", "expect", "authorization", "proxy-authorization"}
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
+# what the entry node says itself: which node served the answer is the one it sent the request to
+_NOT_PASSED_BACK = {*_HOP_BY_HOP, "x-mesh-served-by"}
 
 
 @dataclass
@@ -54,6 +56,12 @@ class Failure:
     reason: str
     answer: Answer | None = None
 
+    @property
+    def at_fault(self) -> bool:
+        """The node failed (silent, unreachable, broken off, a 5xx, no such model), rather than
+        being full or too small for this prompt."""
+        return self.answer is None or self.answer.status >= 500 or self.answer.status == 404
+
 
 class ClientGone(Exception):
     """The client disconnected: stop trying nodes."""
@@ -83,10 +91,12 @@ def forward_headers(headers: list[tuple[bytes, bytes]], signature: str, entry_id
 
 async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, headers: list[tuple[str, str]],
                   first_byte_timeout: float, peer_lost: asyncio.Event, receive, send,
-                  extra: list[tuple[bytes, bytes]], idle_timeout: float = 0) -> Failure | None:
+                  extra: list[tuple[bytes, bytes]], idle_timeout: float = 0, served_by: str = ""
+                  ) -> Failure | None:
     """Forward to ``url``; None once the answer went to the client, else a :class:`Failure`.
     ``peer_lost`` is set (by the caller) when the peer is marked down meanwhile; a body that stops
-    for ``idle_timeout`` seconds once under way is ended (0: never), as if the peer had gone."""
+    for ``idle_timeout`` seconds once under way is ended (0: never), as if the peer had gone. The
+    answer's ``x-mesh-served-by`` is ``served_by``, the member it was sent to, whatever it says."""
     query = scope.get("query_string", b"").decode("latin-1")
     request = http.build_request(scope["method"], url + scope["path"] + (f"?{query}" if query else ""),
                                  headers=headers, content=body)
@@ -109,7 +119,7 @@ async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, h
             return Failure(f"dropped the request ({_short(exc)})")
         try:
             return await _deliver(upstream, first_byte_timeout, idle_timeout, stop, client_gone, send,
-                                  extra)
+                                  extra, served_by)
         finally:
             await upstream.aclose()
     finally:
@@ -118,11 +128,13 @@ async def attempt(http: httpx.AsyncClient, url: str, scope: dict, body: bytes, h
 
 
 async def _deliver(upstream: Upstream, timeout: float, idle_timeout: float, stop: asyncio.Event,
-                   client_gone: asyncio.Event, send, extra) -> Failure | None:
+                   client_gone: asyncio.Event, send, extra, served_by: str) -> Failure | None:
     if upstream.response.headers.get(RELAY_HEADER) != "1":
         return Failure(f"answered {upstream.status} without relaying (a different mesh token?)")
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in upstream.headers
-               if k.lower() not in _HOP_BY_HOP]
+               if k.lower() not in _NOT_PASSED_BACK]
+    if served_by:
+        headers.append((b"x-mesh-served-by", served_by.encode("latin-1")))
     if upstream.status >= 400:
         try:
             answer = Answer(upstream.status, headers, await upstream.read_all(MAX_ERROR_BODY, timeout))

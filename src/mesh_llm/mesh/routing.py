@@ -3,7 +3,8 @@
 The order: an explicit ``x-mesh-target`` first (``x-mesh-exclude`` removes nodes), then the node that
 last served the same prompt prefix (system prompt + tools + first user message) so its prompt cache
 hits, unless it is much busier than another, then the least loaded node whose context fits the
-prompt. Ties go to the node a hash of the prefix picks (rendezvous hashing), so entry nodes that have
+prompt. A node that failed this entry node for the model lately (demoted) comes after every other
+whose context fits, whatever its load says. Ties go to the node a hash of the prefix picks (rendezvous hashing), so entry nodes that have
 never seen a conversation still agree on where it goes."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Candidate:
     max_batch: int = 1
     free_kv: int | None = None
     reachable: bool = True  # this node's last heartbeat to it was answered
+    demoted: bool = False  # it failed a request for this model lately (hung, refused, not serving it)
 
     @property
     def busy(self) -> float:
@@ -49,8 +51,8 @@ def order(candidates: list[Candidate], *, need_tokens: int, prefix: str | None =
     """Candidates, best first; every candidate stays in the list, as a fallback."""
     pool = [c for c in candidates if c.id not in exclude]
     salt = prefix if prefix is not None else str(random.random())
-    pool.sort(key=lambda c: (not c.reachable, not c.fits(need_tokens), c.saturated(need_tokens), c.busy,
-                             _rendezvous(salt, c.id)))
+    pool.sort(key=lambda c: (not c.reachable, not c.fits(need_tokens), c.demoted, c.saturated(need_tokens),
+                             c.busy, _rendezvous(salt, c.id)))
     sticky = next((c for c in pool if c.id == affinity), None)
     if sticky is not None and pool and sticky is not pool[0] and _keeps_affinity(sticky, pool[0], need_tokens):
         pool.remove(sticky)
@@ -65,7 +67,7 @@ def order(candidates: list[Candidate], *, need_tokens: int, prefix: str | None =
 def _keeps_affinity(sticky: Candidate, best: Candidate, need_tokens: int) -> bool:
     """The cache-warm node keeps the conversation unless it cannot take it or is much busier: it
     has requests waiting (no spare batch room) while the best other node is a full batch less busy."""
-    if not sticky.reachable or not sticky.fits(need_tokens):
+    if not sticky.reachable or sticky.demoted or not sticky.fits(need_tokens):
         return False
     much_busier = sticky.saturated(need_tokens) and sticky.busy - best.busy >= 1.0
     return not much_busier
