@@ -22,7 +22,7 @@ from mesh_llm.system import native
 if TYPE_CHECKING:
     from mesh_llm.api.app import ServedModel
     from mesh_llm.mesh import MeshConfig
-    from mesh_llm.runtime.worker import ModelWorker
+    from mesh_llm.runtime.worker import Incoming, ModelWorker
 
 log = logging.getLogger("mesh_llm.serve")
 SHUTDOWN_GRACE_S = 5  # on SIGTERM or SIGINT, running requests may finish for this long
@@ -127,7 +127,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None) -> list[ModelWorker]:
+def start_workers(plans: list[Plan], config: ServeConfig, incoming: Incoming,
+                  progress_factory=None) -> list[ModelWorker]:
     from mesh_llm.runtime.worker import ModelWorker
 
     options = config.options
@@ -136,7 +137,7 @@ def start_workers(plans: list[Plan], config: ServeConfig, progress_factory=None)
         progress = progress_factory(plan) if progress_factory else None
         worker = ModelWorker(plan.id, lambda plan=plan, progress=progress:
                              plan.engine_class.load(plan.path, options, progress), max_queue=config.max_queue,
-                             request_timeout=config.request_timeout)
+                             request_timeout=config.request_timeout, incoming=incoming)
         worker.start()
         workers.append(worker)
     return workers
@@ -154,7 +155,10 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
 
     check_tls(config)
     sock = bind(config.host, config.port)
-    workers = start_workers(plans, config, progress_factory)
+    from mesh_llm.runtime.worker import Incoming
+
+    incoming = Incoming()  # bodies being read, which every worker's first step waits for
+    workers = start_workers(plans, config, incoming, progress_factory)
     # imported while the engines load on their threads: FastAPI's import alone took 0.2 s of a
     # 2-core machine's start and 0.8 s on the H200's host (2026-12-05)
     from mesh_llm.api.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
@@ -162,7 +166,7 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     body_limit = config.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     created = int(time.time())
     served = [ServedModel(p.id, w, p.format, created) for p, w in zip(plans, workers)]
-    app = create_app(served, api_key=config.api_key, max_body_bytes=body_limit)
+    app = create_app(served, api_key=config.api_key, max_body_bytes=body_limit, incoming=incoming)
     if config.mesh is not None:
         try:
             app = join_mesh(app, served, config, body_limit)

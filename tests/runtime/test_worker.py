@@ -15,6 +15,7 @@ from mesh_llm.runtime.worker import (
     SHUTDOWN_MESSAGE,
     Chunk,
     GenerationRequest,
+    Incoming,
     ModelWorker,
     QueueFull,
     WorkerNotReady,
@@ -234,6 +235,36 @@ def test_an_idle_worker_holds_its_first_step_for_requests_still_arriving(worker,
     held = [r.getMessage() for r in caplog.records if "first step held" in r.getMessage()]
     assert len(held) == 1 and "(3 admitted, 0 still arriving)" in held[0], held
     assert " 3 reading, 0 decoding" in _steps(caplog)[0], _steps(caplog)
+
+
+def test_the_hold_waits_for_a_request_whose_body_is_still_read(caplog, monkeypatch):
+    """The API reads and validates a body (in a thread) before it knows the model: such a request
+    counts too (``Incoming``). Before, 32 requests sent at once reached the worker one by one, and
+    its first step held for none of those still in the parsing threads."""
+    import mesh_llm.runtime.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "GATHER_S", 60.0)  # so only the arrivals can end the hold
+    incoming = Incoming()
+    worker = ModelWorker("test", lambda: FakeEngine(max_batch=4, step_s=0.001), incoming=incoming)
+    worker.start()
+    try:
+        assert worker.wait_ready(120)
+        first, second = Collector(), Collector()
+        with caplog.at_level("DEBUG", logger="mesh_llm.worker"):
+            body = incoming.counted()
+            body.__enter__()  # the second request's body, being read
+            worker.submit(request(worker, "One,", max_tokens=2, ignore_eos=True), first)
+            time.sleep(0.1)
+            with worker.arriving() as arrival:  # parsed: its handler takes over, then queues it
+                body.__exit__(None, None, None)
+                worker.submit(request(worker, "Two,", max_tokens=2, ignore_eos=True), second)
+                arrival.done()
+            assert first.final.finish_reason == second.final.finish_reason == "length"
+        held = [r.getMessage() for r in caplog.records if "first step held" in r.getMessage()]
+        assert len(held) == 1 and "(2 admitted, 0 still arriving)" in held[0], held
+        assert " 2 reading, 0 decoding" in _steps(caplog)[0], _steps(caplog)
+    finally:
+        worker.stop()
 
 
 def test_the_hold_is_bounded_and_a_lone_request_is_not_held(worker, caplog, monkeypatch):

@@ -32,7 +32,7 @@ from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from mesh_llm.engines.base import SamplingParams
 from mesh_llm.runtime.prompt_limit import PromptTooLong, encode_within
 from mesh_llm.runtime.tools import ChatPlan
-from mesh_llm.runtime.worker import Arrival, ModelWorker
+from mesh_llm.runtime.worker import Arrival, Incoming, ModelWorker
 
 log = logging.getLogger("mesh_llm.api")
 
@@ -51,12 +51,14 @@ class ServedModel:
 
 
 def create_app(models: list[ServedModel], api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, incoming: Incoming | None = None) -> FastAPI:
+    """``incoming``: the counter the models' workers were given, to count bodies being read."""
     by_id = {m.id: m for m in models}
     # where a key is set the API's schema is not served: that route would answer without the key
     app = FastAPI(title="mesh-llm", docs_url=None, redoc_url=None,
                   openapi_url=None if api_key is not None else "/openapi.json")
     app.state.models = by_id
+    app.state.incoming = incoming
     _install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # outermost: checked before any body is read

@@ -3,11 +3,14 @@ every stream's tokens: FastAPI parses and validates a body inline, so one 3 MB c
 messages held every running stream for a second, and one with 60,000 invalid parts for 3.6 s. In a
 thread, pure-Python work (pydantic's error list, our validators) yields the interpreter every few
 milliseconds; what stays is the C JSON parser's own share (about 40 ms per MB of tiny values, see
-docs/api.md). Bodies are declared in the OpenAPI document as FastAPI declares its own."""
+docs/api.md). While a body is read, the request counts as on its way to the workers
+(``app.state.incoming``), so an idle worker's first step waits for it as for one being tokenized.
+Bodies are declared in the OpenAPI document as FastAPI declares its own."""
 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -29,7 +32,9 @@ def json_body(model: type[M]) -> Any:
     """The annotation for a route's body: ``body: json_body(ChatCompletionRequest)``."""
 
     async def parse(request: Request) -> M:
-        return await run_in_threadpool(_validated, model, await request.body())
+        incoming = getattr(request.app.state, "incoming", None)
+        with incoming.counted() if incoming is not None else nullcontext():
+            return await run_in_threadpool(_validated, model, await request.body())
 
     return Annotated[model, Depends(parse)]
 

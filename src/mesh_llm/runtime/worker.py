@@ -126,6 +126,28 @@ class Chunk:
     timed_out: bool = False  # ended at the server's --request-timeout (a 504)
 
 
+class Incoming:
+    """Requests on their way to some worker whose body is still being read and validated (the API
+    does that before it knows which model): an idle worker's first step waits for them as for its
+    own arrivals. Without it, 32 requests sent at once reached the worker one by one from the
+    parsing threads, and their prompts were read in five or six passes beside decoding instead of
+    one or two."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        with self._lock:
+            self.count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.count -= 1
+
+
 class Arrival:
     """A request being read and tokenized for a model (``ModelWorker.arriving``) until ``done``."""
 
@@ -219,8 +241,10 @@ class ModelWorker:
     """Loads an engine on its own thread and serves generations from a bounded queue, batched."""
 
     def __init__(self, name: str, load: Callable[[], Engine], max_queue: int = 64,
-                 prefill_budget: int | None = None, request_timeout: float | None = None):
+                 prefill_budget: int | None = None, request_timeout: float | None = None,
+                 incoming: Incoming | None = None):
         self.name = name
+        self._incoming = incoming if incoming is not None else Incoming()
         self._load = load
         self._max_queue = max_queue  # requests that may wait beyond the batch's free slots
         self._request_timeout = request_timeout  # seconds from submission to the last chunk
@@ -356,7 +380,7 @@ class ModelWorker:
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                if idle and self._arriving and GATHER_S > 0:
+                if idle and self._still_arriving() and GATHER_S > 0:
                     self._gather()
                 self._step()
         except BaseException:  # a bug in the scheduler itself: fail loudly, never hang clients
@@ -407,7 +431,7 @@ class ModelWorker:
         whole prompt and then have them read in passes beside its decoding."""
         started = time.perf_counter()
         deadline = started + GATHER_S
-        while self._arriving and len(self._active) < self._engine.max_batch and not self._stopping.is_set():
+        while self._still_arriving() and len(self._active) < self._engine.max_batch and not self._stopping.is_set():
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
@@ -416,7 +440,11 @@ class ModelWorker:
             self._admit()
         log.debug("%s: the first step held %.1f ms for requests arriving with it (%d admitted, %d still "
                   "arriving)", self.name, 1000 * (time.perf_counter() - started), len(self._active),
-                  self._arriving)
+                  self._still_arriving())
+
+    def _still_arriving(self) -> int:
+        """Requests being prepared for this worker, and bodies being read that may be for it."""
+        return self._arriving + self._incoming.count
 
     def _step(self) -> None:
         decoding = any(s.first_at is not None for s in self._active.values())
