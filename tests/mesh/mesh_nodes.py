@@ -173,8 +173,8 @@ class FakeMember:
 
             def _reply(self, status: int, body: bytes, headers: dict | None = None) -> None:
                 self.send_response(status)
-                for name, value in {"content-type": "application/json", **(headers or {})}.items():
-                    self.send_header(name, value)
+                for header, value in {"content-type": "application/json", **(headers or {})}.items():
+                    self.send_header(header, value)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

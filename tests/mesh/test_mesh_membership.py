@@ -196,3 +196,14 @@ def test_a_dropped_members_id_stays_its_own_while_its_tombstone_lasts(table, clo
     clock.now += 601
     table.sweep()
     assert table.take(record("a", 1, incarnation=START + 2 * 10**9, key="forger")).kind == "joined"
+
+
+def test_a_named_nodes_key_is_kept_and_a_bad_key_file_is_one_clear_error(tmp_path):
+    from mesh_llm.mesh.identity import KeyUnusable
+
+    path = tmp_path / "keys" / "a.key"
+    made = NodeKey.kept(path)
+    assert NodeKey.kept(path).public == made.public and path.stat().st_mode & 0o777 == 0o600
+    path.write_bytes(b"not a key")
+    with pytest.raises(KeyUnusable, match=r"a.key cannot be read .*delete it to make a new one"):
+        NodeKey.kept(path)

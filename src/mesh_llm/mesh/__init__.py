@@ -32,6 +32,7 @@ def attach(app, models: list, config: MeshConfig, url: str, api_key: str | None,
     """Join the mesh (when told to) and return the gateway to serve instead of ``app``."""
     from mesh_llm.mesh.gateway import Gateway
     from mesh_llm.mesh.heartbeat import JoinRefused, join
+    from mesh_llm.mesh.identity import KeyUnusable
     from mesh_llm.mesh.node import MeshNode
 
     if len(config.token) < MIN_TOKEN_CHARS:
@@ -47,7 +48,10 @@ def attach(app, models: list, config: MeshConfig, url: str, api_key: str | None,
         except DiscoveryUnavailable as exc:
             raise MeshError(str(exc)) from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
-    node = MeshNode(config, models, config.advertise_url or url)
+    try:
+        node = MeshNode(config, models, config.advertise_url or url)
+    except KeyUnusable as exc:
+        raise MeshError(str(exc)) from None
     if config.join:
         try:
             join(node, node.join_urls, node.verify)

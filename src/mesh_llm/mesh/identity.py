@@ -28,6 +28,10 @@ class BadSignature(ValueError):
     """A signed record whose signature does not hold, or whose body is not the shape it claims."""
 
 
+class KeyUnusable(Exception):
+    """A kept key file that cannot be read or written, told in one line."""
+
+
 class NodeKey:
     def __init__(self, private: Ed25519PrivateKey):
         self._private = private
@@ -40,15 +44,23 @@ class NodeKey:
     @classmethod
     def kept(cls, path: Path) -> NodeKey:
         """The key stored at ``path`` (made there, readable by its owner only, on first use)."""
+        fix = "delete it to make a new one, or start under another --node-name"
         try:
             return cls(Ed25519PrivateKey.from_private_bytes(path.read_bytes()))
         except FileNotFoundError:
             pass
+        except (OSError, ValueError) as exc:
+            raise KeyUnusable(f"the node key {path} cannot be read ({exc}); {fix}") from None
         key = Ed25519PrivateKey.generate()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+        except FileExistsError:  # another process under the same name made it first: use that one
+            return cls.kept(path)
+        except OSError as exc:
+            raise KeyUnusable(f"the node key {path} cannot be written ({exc})") from None
         return cls(key)
 
     def sign(self, model: BaseModel) -> Signed:
