@@ -126,15 +126,15 @@ def test_a_member_that_hangs_while_it_heartbeats_goes_last_until_it_serves(mesh)
     stuck = FakeMember("stuck", ["dup"], mode="hang")
     try:
         stuck.join(y)
-        wait_for(lambda: served_models(y).get("dup") == ["stuck", "y"], 10, "y lists the member's model")
+        wait_for(lambda: "stuck" in served_models(y).get("dup", []), 10, "y lists the member's model")
         first = chat(y, "dup", headers={"x-mesh-target": "stuck"}, max_tokens=2)
-        assert first.status_code == 200 and first.headers["x-mesh-served-by"] == "y"
+        assert first.status_code == 200 and first.headers["x-mesh-served-by"] in ("y", "z")
         assert first.headers["x-mesh-failed"] == f"stuck: sent nothing in {FIRST_BYTE_TIMEOUT:g}s"
         (member,) = [m for m in mesh_members(y) if m["id"] == "stuck"]
         assert member["state"] == "up" and 0 < member["demoted"]["dup"] <= 10
         for i in range(6):  # without the demotion, about half of these would wait on it first
             reply = chat(y, "dup", content=f"Question {i}: say hi.", max_tokens=2)
-            assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "y"
+            assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] != "stuck"
             assert "x-mesh-failed" not in reply.headers
         assert stuck.served == 1 and mesh_view(y)["stuck"] == "up"
         assert "stuck goes last for dup for 10s (sent nothing in 2s)" in y.output()
