@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -123,10 +124,7 @@ def test_a_member_that_hangs_while_it_heartbeats_goes_last_until_it_serves(mesh)
     stuck): the first request sent to it costs y its first-byte timeout, then y sends the model's
     requests elsewhere for a while, and /api/mesh says for how long."""
     y = mesh["y"]
-    stuck = FakeMember("stuck", ["dup"], mode="hang")
-    try:
-        stuck.join(y)
-        wait_for(lambda: "stuck" in served_models(y).get("dup", []), 10, "y lists the member's model")
+    with fake_member(y, "stuck", "hang") as stuck:
         first = chat(y, "dup", headers={"x-mesh-target": "stuck"}, max_tokens=2)
         assert first.status_code == 200 and first.headers["x-mesh-served-by"] in ("y", "z")
         assert first.headers["x-mesh-failed"] == f"stuck: sent nothing in {FIRST_BYTE_TIMEOUT:g}s"
@@ -138,21 +136,26 @@ def test_a_member_that_hangs_while_it_heartbeats_goes_last_until_it_serves(mesh)
             assert "x-mesh-failed" not in reply.headers
         assert stuck.served == 1 and mesh_view(y)["stuck"] == "up"
         assert "stuck goes last for dup for 10s (sent nothing in 2s)" in y.output()
-    finally:
-        stuck.close()
 
 
 def test_which_node_served_is_the_entry_node_s_word_not_the_peer_s(mesh):
     y = mesh["y"]
-    teller = FakeMember("teller", ["dup"], mode="claims")
-    try:
-        teller.join(y)
-        wait_for(lambda: "teller" in served_models(y).get("dup", []), 10, "y lists the member's model")
+    with fake_member(y, "teller", "claims"):
         reply = chat(y, "dup", headers={"x-mesh-target": "teller"}, max_tokens=2)
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "made up"
         assert reply.headers.get_list("x-mesh-served-by") == ["teller"]  # it wrote "someone-else"
+
+
+@contextmanager
+def fake_member(server, name: str, mode: str):
+    """A FakeMember serving "dup", in ``server``'s mesh until the block ends."""
+    member = FakeMember(name, ["dup"], mode=mode)
+    try:
+        member.join(server)
+        wait_for(lambda: name in served_models(server).get("dup", []), 10, f"the mesh lists {name}'s model")
+        yield member
     finally:
-        teller.close()
+        member.close()
 
 
 def mesh_members(server) -> list[dict]:
