@@ -143,7 +143,7 @@ class FakeMember:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.name, self.models, self.mode, self.served = name, models, mode, 0
-        self.key, self.auth, self.seq = NodeKey.generate(), MeshAuth(token), 0
+        self.key, self.token, self.auth, self.seq = NodeKey.generate(), token, MeshAuth(token), 0
         self.started, self.closed = time.time_ns(), threading.Event()
         member = self
 
@@ -196,8 +196,7 @@ class FakeMember:
     def join(self, server: Server) -> None:
         sent = self.heartbeat()
         reply = httpx.post(server.url + "/mesh/heartbeat", content=sent,
-                           headers={**self.auth.headers("POST", "/mesh/heartbeat", sent),
-                                    "content-type": "application/json"}, timeout=10)
+                           headers=signed("POST", "/mesh/heartbeat", sent, token=self.token), timeout=10)
         assert reply.status_code == 200, reply.text
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ def json_body(model: type[M]) -> Any:
     """The annotation for a route's body: ``body: json_body(ChatCompletionRequest)``."""
 
     async def parse(request: Request) -> M:
-        incoming = getattr(request.app.state, "incoming", None)
+        incoming = request.app.state.incoming  # set by create_app
         with incoming.counted() if incoming is not None else nullcontext():
             return await run_in_threadpool(_validated, model, await request.body())
 

@@ -58,10 +58,11 @@ def control_app(node, api_key: str | None) -> FastAPI:
     async def heartbeat(signed_body: tuple[bytes, str] = Depends(peer)) -> Response:
         body, nonce = signed_body
         beat = _parse(body, Heartbeat)
-        if _opened(beat.sender, NodeRecord, "sender").id == node.id:
+        sender = _opened(beat.sender, NodeRecord, "sender")
+        if sender.id == node.id:
             raise APIError(409, f"a node with the id '{node.id}' is already in this mesh at {node.url}",
                            param="sender.id", code="node_id_taken")
-        reply = node.take_heartbeat(beat).model_dump_json().encode()
+        reply = node.take_heartbeat(beat, sender).model_dump_json().encode()
         return Response(reply, media_type="application/json", headers={AUTH_HEADER: node.auth.answer(nonce, reply)})
 
     @app.post("/mesh/leave")

@@ -48,10 +48,12 @@ def join(node, seeds: list[str], verify) -> None:
                 errors.append(f"{seed} answered the join without proving it holds the mesh token")
                 continue
             try:
-                node.take_heartbeat(Heartbeat.model_validate_json(reply.content), reached=True)
+                beat = Heartbeat.model_validate_json(reply.content)
+                sender = opened(beat.sender, NodeRecord)
             except (ValidationError, BadSignature):
                 errors.append(f"{seed} answered the join with something that is not a mesh heartbeat")
                 continue
+            node.take_heartbeat(beat, sender, reached=True)
             node.seeds.discard(seed)
             return
     raise JoinRefused((refused or errors)[0])
@@ -113,7 +115,7 @@ class Heartbeater:
             return
         if member_id is not None and sender.id != member_id:
             return  # another node now lives at that address: its own heartbeats will introduce it
-        self.node.take_heartbeat(beat, reached=True)
+        self.node.take_heartbeat(beat, sender, reached=True)
         self.node.seeds.discard(url)
 
     async def leave(self) -> None:

@@ -95,10 +95,9 @@ class MeshNode:
 
     # -- what others say -------------------------------------------------------------------------------
 
-    def take_heartbeat(self, beat: Heartbeat, reached: bool = False) -> Heartbeat:
-        """Merge a heartbeat (sent to us, or the answer to ours); returns our answer. Records and
-        notices that are not what they claim are left out; :class:`BadSignature` for the sender's."""
-        sender = opened(beat.sender, NodeRecord)
+    def take_heartbeat(self, beat: Heartbeat, sender: NodeRecord, reached: bool = False) -> Heartbeat:
+        """Merge a heartbeat (sent to us, or the answer to ours) whose sender's record the caller
+        opened; returns our answer. Records and notices that are not what they claim are left out."""
         records = [(sender, beat.sender), *_all_opened(beat.members, NodeRecord)]
         changes = self.membership.merge_all(records, _all_opened(beat.left, Leave), verified)
         if reached:

@@ -431,7 +431,8 @@ class ModelWorker:
         whole prompt and then have them read in passes beside its decoding."""
         started = time.perf_counter()
         deadline = started + GATHER_S
-        while self._still_arriving() and len(self._active) < self._engine.max_batch and not self._stopping.is_set():
+        while (self._still_arriving() and len(self._active) < self._engine.max_batch
+               and not self._stopping.is_set()):
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
