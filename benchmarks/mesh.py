@@ -2,9 +2,11 @@
 loopback (the embedded model on the llama engine):
 
 - proxy overhead: the same streamed chat sent straight to the serving node and through one hop (a
-  client node that forwards it), interleaved pair by pair, many times. TTFT with the prompt cached
-  (so what is left is mostly fixed costs: the hop shows), and the decode rate over N tokens with EOS
-  ignored. Medians, the paired difference and the ratio.
+  client node that forwards it), interleaved pair by pair, many times, for a plain hop (nodes on
+  loopback use their API ports) and an encrypted one (``--mesh-port``: TLS pinned to node keys, as
+  between machines) side by side. TTFT with the prompt cached (so what is left is mostly fixed
+  costs: the hop shows), and the decode rate over N tokens with EOS ignored. Medians, the paired
+  difference and the ratio.
 - prefix affinity vs random routing: 5-turn conversations over a long system prompt, through a
   client node in front of two replicas of one model; once routed by the mesh, once with every turn
   sent to a random replica (``x-mesh-target``); the TTFT of the 5th turn.
@@ -49,6 +51,10 @@ REPLIES = ["Item 3 is about a faster search index.", "Item 7 moved the nightly j
            "A risk is the delayed migration."]
 
 
+# the hops compared: nodes on loopback use their API ports unless given a mesh port
+HOPS = {"plain": [], "encrypted": ["--mesh-port", "0"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=60, help="TTFT pairs (direct, one hop)")
@@ -66,9 +72,12 @@ def main() -> None:
     settings = Settings(threads=args.threads, ctx_size=4096, startup_timeout=600)
 
     with ExitStack() as stack:
-        serving = node(stack, settings, logs, token, "serving", ["--alias", "bench"])
-        entry = node(stack, settings, logs, token, "entry", ["--client", "--join", serving.url], "bench")
-        overhead = proxy_overhead(serving, entry, args)
+        hops = {}
+        for mode, extra in HOPS.items():
+            serving = node(stack, settings, logs, token, f"serving-{mode}", ["--alias", "bench", *extra])
+            hops[mode] = (serving, node(stack, settings, logs, token, f"entry-{mode}",
+                                        ["--client", "--join", serving.url, *extra], "bench"))
+        overhead = proxy_overhead(hops, args)
     with ExitStack() as stack:
         one = node(stack, settings, logs, token, "replica-1", ["--alias", "conv"])
         two = node(stack, settings, logs, token, "replica-2", ["--alias", "conv", "--join", one.url])
@@ -142,35 +151,39 @@ def stream(server: Server, body: dict, headers: dict | None = None) -> dict:
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "served_by": served_by}
 
 
-def proxy_overhead(serving: Server, entry: Server, args) -> dict:
-    """Interleaved pairs; the order within a pair alternates so drift falls on both sides alike."""
+def proxy_overhead(hops: dict[str, tuple[Server, Server]], args) -> dict:
+    """Interleaved pairs for each kind of hop in turn; the order within a pair alternates so drift
+    falls on both sides alike. ``hops``: kind -> (serving node, entry node)."""
     ttft_body = {"model": "bench", "max_tokens": 2,
                  "messages": [{"role": "system", "content": "You are a helpful assistant."},
                               {"role": "user", "content": "Name one color."}]}
     decode_body = {"model": "bench", "max_tokens": args.decode_tokens, "ignore_eos": True,
                    "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
-    for _ in range(3):  # warm: the prompt is in the cache, connections are open
-        stream(serving, ttft_body)
-        stream(entry, ttft_body)
+    for serving, entry in hops.values():
+        for _ in range(3):  # warm: the prompt is in the cache, connections are open
+            stream(serving, ttft_body)
+            stream(entry, ttft_body)
+    out = {mode: {"ttft": [], "decode": [], "cpu": {"ttft": 0.0, "decode": 0.0}} for mode in hops}
 
-    def pairs(body: dict, count: int) -> list[dict]:
-        out = []
+    def pairs(body: dict, count: int, kind: str) -> None:
         for i in range(count):
-            order = [("direct", serving), ("hop", entry)] if i % 2 == 0 else [("hop", entry), ("direct", serving)]
-            out.append({name: stream(server, body) for name, server in order})
-        return out
+            for mode, (serving, entry) in hops.items():
+                order = [("direct", serving), ("hop", entry)] if i % 2 == 0 else [("hop", entry), ("direct", serving)]
+                before = cpu_seconds(entry)
+                out[mode][kind].append({name: stream(server, body) for name, server in order})
+                out[mode]["cpu"][kind] += cpu_seconds(entry) - before
 
-    print(f"proxy overhead: {args.pairs} TTFT pairs …", file=sys.stderr)
-    before = cpu_seconds(entry)
-    ttft = pairs(ttft_body, args.pairs)
-    ttft_cpu = cpu_seconds(entry) - before
-    print(f"proxy overhead: {args.decode_pairs} decode pairs of {args.decode_tokens} tokens …", file=sys.stderr)
-    before = cpu_seconds(entry)
-    decode = pairs(decode_body, args.decode_pairs)
-    decode_cpu = cpu_seconds(entry) - before
-    tokens = sum(p["hop"]["completion_tokens"] for p in decode)
-    return {"ttft": ttft, "decode": decode,
-            "entry_cpu": {"ms_per_request": ttft_cpu / len(ttft) * 1e3, "us_per_token": decode_cpu / tokens * 1e6}}
+    print(f"proxy overhead: {args.pairs} TTFT pairs per hop …", file=sys.stderr)
+    pairs(ttft_body, args.pairs, "ttft")
+    print(f"proxy overhead: {args.decode_pairs} decode pairs of {args.decode_tokens} tokens per hop …",
+          file=sys.stderr)
+    pairs(decode_body, args.decode_pairs, "decode")
+    for r in out.values():
+        tokens = sum(p["hop"]["completion_tokens"] for p in r["decode"])
+        cpu = r.pop("cpu")
+        r["entry_cpu"] = {"ms_per_request": cpu["ttft"] / len(r["ttft"]) * 1e3,
+                          "us_per_token": cpu["decode"] / tokens * 1e6}
+    return out
 
 
 def cpu_seconds(server: Server) -> float:
@@ -227,22 +240,29 @@ def report(r: dict) -> dict:
     def med(values):
         return statistics.median(values)
 
-    ttft, decode = r["proxy_overhead"]["ttft"], r["proxy_overhead"]["decode"]
-    direct_ttft, hop_ttft = med([p["direct"]["ttft_s"] for p in ttft]), med([p["hop"]["ttft_s"] for p in ttft])
-    paired = med([p["hop"]["ttft_s"] - p["direct"]["ttft_s"] for p in ttft])
-    direct_tps, hop_tps = med([p["direct"]["decode_tps"] for p in decode]), med([p["hop"]["decode_tps"] for p in decode])
     print(f"\nload average {r['load_average_before'][0]:.2f} before, {r['load_average_after'][0]:.2f} after; "
           f"{r['environment']['cpu']}, {r['settings']['threads']} threads")
-    print("\nproxy overhead (one hop on loopback), medians")
-    print(f"  {'':28} {'direct':>10} {'one hop':>10} {'hop - direct':>13} {'ratio':>7}")
-    print(f"  {'TTFT, prompt cached (ms)':28} {direct_ttft * 1e3:10.1f} {hop_ttft * 1e3:10.1f} "
-          f"{paired * 1e3:+13.1f} {hop_ttft / direct_ttft:7.3f}")
-    print(f"  {'decode (tok/s)':28} {direct_tps:10.1f} {hop_tps:10.1f} {hop_tps - direct_tps:+13.1f} "
-          f"{hop_tps / direct_tps:7.3f}")
-    print(f"  ({len(ttft)} TTFT pairs, {len(decode)} decode pairs; goal: <= 5 ms TTFT, <= 3% decode)")
-    cpu = r["proxy_overhead"]["entry_cpu"]
-    print(f"  the entry node's CPU: {cpu['ms_per_request']:.2f} ms a request, {cpu['us_per_token']:.0f} us a "
-          "streamed token")
+    hops = {}
+    for mode, o in r["proxy_overhead"].items():
+        ttft, decode = o["ttft"], o["decode"]
+        direct_ttft, hop_ttft = med([p["direct"]["ttft_s"] for p in ttft]), med([p["hop"]["ttft_s"] for p in ttft])
+        paired = med([p["hop"]["ttft_s"] - p["direct"]["ttft_s"] for p in ttft])
+        direct_tps = med([p["direct"]["decode_tps"] for p in decode])
+        hop_tps = med([p["hop"]["decode_tps"] for p in decode])
+        print(f"\nproxy overhead, {mode} hop on loopback, medians")
+        print(f"  {'':28} {'direct':>10} {'one hop':>10} {'hop - direct':>13} {'ratio':>7}")
+        print(f"  {'TTFT, prompt cached (ms)':28} {direct_ttft * 1e3:10.1f} {hop_ttft * 1e3:10.1f} "
+              f"{paired * 1e3:+13.1f} {hop_ttft / direct_ttft:7.3f}")
+        print(f"  {'decode (tok/s)':28} {direct_tps:10.1f} {hop_tps:10.1f} {hop_tps - direct_tps:+13.1f} "
+              f"{hop_tps / direct_tps:7.3f}")
+        print(f"  ({len(ttft)} TTFT pairs, {len(decode)} decode pairs; goal: <= 5 ms TTFT, <= 3% decode)")
+        cpu = o["entry_cpu"]
+        print(f"  the entry node's CPU: {cpu['ms_per_request']:.2f} ms a request, {cpu['us_per_token']:.0f} us a "
+              "streamed token")
+        hops[mode] = {"ttft_direct_ms": direct_ttft * 1e3, "ttft_hop_ms": hop_ttft * 1e3,
+                      "ttft_paired_delta_ms": paired * 1e3, "ttft_ratio": hop_ttft / direct_ttft,
+                      "decode_direct_tps": direct_tps, "decode_hop_tps": hop_tps, "decode_ratio": hop_tps / direct_tps,
+                      "entry_cpu": cpu}
 
     fifth = {mode: [conv[4] for conv in convs] for mode, convs in r["routing"].items()}
     same_node = {mode: sum(len({t["served_by"] for t in conv}) == 1 for conv in convs)
@@ -258,10 +278,7 @@ def report(r: dict) -> dict:
     print("\nforgetting a node: seconds until its model leaves the entry node's /v1/models")
     for how, times in r["forgetting"].items():
         print(f"  {how:8} median {med(times):5.2f} s, max {max(times):5.2f} s over {len(times)} runs")
-    return {"ttft_direct_ms": direct_ttft * 1e3, "ttft_hop_ms": hop_ttft * 1e3, "ttft_paired_delta_ms": paired * 1e3,
-            "ttft_ratio": hop_ttft / direct_ttft, "decode_direct_tps": direct_tps, "decode_hop_tps": hop_tps,
-            "decode_ratio": hop_tps / direct_tps, "entry_cpu": r["proxy_overhead"]["entry_cpu"],
-            "fifth_turn_ttft_ms": {m: med([t["ttft_s"] for t in ts]) * 1e3 for m, ts in fifth.items()},
+    return {"hops": hops, "fifth_turn_ttft_ms": {m: med([t["ttft_s"] for t in ts]) * 1e3 for m, ts in fifth.items()},
             "fifth_turn_affinity_over_random": ratio,
             "forget_s": {how: med(times) for how, times in r["forgetting"].items()}}
 

@@ -125,16 +125,21 @@ def serve(
                                              "with --join it joins one. MESH_LLM_MESH_TOKEN stands in for "
                                              "it with --join, --client or --discover, but starts no mesh alone.",
                                              rich_help_panel="Mesh"),
-    join: list[str] = typer.Option([], help="A member's API address (http(s)://host:port) to join the "
-                                    "mesh through; repeatable.", rich_help_panel="Mesh"),
+    join: list[str] = typer.Option([], help="A member's address (http(s)://host:port: its mesh port, or its "
+                                    "API port, which names the mesh port) to join the mesh through; "
+                                    "repeatable.", rich_help_panel="Mesh"),
     client: bool = typer.Option(False, "--client", help="Join as an API-only node that serves no model.",
                                 rich_help_panel="Mesh"),
     discover: bool = typer.Option(False, "--discover", help="Find members with the same token on the "
                                   "local network by mDNS, and be found.", rich_help_panel="Mesh"),
     node_name: Optional[str] = typer.Option(None, help="This node's id in the mesh; its signing key is kept under "
                                             "that name (default: hostname-<random>).", rich_help_panel="Mesh"),
-    advertise_url: Optional[str] = typer.Option(None, help="The API address peers use to reach this node "
-                                                "(default: from --host and --port).", rich_help_panel="Mesh"),
+    mesh_port: Optional[int] = typer.Option(None, help="The port peers reach this node at, TLS with its "
+                                            "node key (default: --port + 1 when --host is not loopback; on "
+                                            "loopback, peers use the API port).", rich_help_panel="Mesh"),
+    advertise_url: Optional[str] = typer.Option(None, help="The address peers use to reach this node "
+                                                "(default: from --host and the mesh port, or --port).",
+                                                rich_help_panel="Mesh"),
     first_byte_timeout: float = typer.Option(10.0, help="Seconds a peer may stay silent before the next "
                                              "node is tried.", rich_help_panel="Mesh"),
     stream_idle_timeout: float = typer.Option(60.0, help="Seconds a forwarded answer may stop midway "
@@ -191,7 +196,7 @@ def serve(
     mesh_config = None
     if mesh or mesh_token or join or client or discover:
         mesh_config = mesh_settings(mesh, mesh_token, join, client, discover, node_name, advertise_url,
-                                    first_byte_timeout, tls_ca, stream_idle_timeout)
+                                    first_byte_timeout, tls_ca, stream_idle_timeout, mesh_port)
     options = EngineOptions(ctx_size=ctx_size, quantize=quantize, threads=threads, prefill_step=prefill_step,
                             cache_bytes=cache_size, kv_bytes=kv_bytes, cache_entries=cache_entries,
                             max_batch=max_batch, warm_up=warm_up, deterministic=deterministic)
@@ -218,7 +223,7 @@ def serve(
 
 def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, discover: bool,
                   node_name: str | None, advertise_url: str | None, first_byte_timeout: float,
-                  tls_ca: str | None, stream_idle_timeout: float):
+                  tls_ca: str | None, stream_idle_timeout: float, mesh_port: int | None = None):
     """The mesh flags as a MeshConfig, or a one-line error."""
     from mesh_llm.mesh import MeshConfig, new_token
 
@@ -233,10 +238,12 @@ def mesh_settings(mesh: bool, token: str | None, join: list[str], client: bool, 
     for url in [*join, *([advertise_url] if advertise_url else [])]:
         if not url.startswith(("http://", "https://")):
             raise fail(f"{url!r} is not an API address: write http(s)://host:port")
+    if mesh_port is not None and not 0 <= mesh_port <= 65535:
+        raise fail("--mesh-port must be a port number (0: any free port)")
     if node_name is not None and not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", node_name):
         raise fail("--node-name may use letters, digits and . _ : - (at most 128)")
     return MeshConfig(token=token or new_token(), join=join, client=client, discover=discover,
-                      node_name=node_name, advertise_url=advertise_url, tls_ca=tls_ca,
+                      node_name=node_name, advertise_url=advertise_url, tls_ca=tls_ca, port=mesh_port,
                       first_byte_timeout=first_byte_timeout, stream_idle_timeout=stream_idle_timeout,
                       generated_token=token is None)
 

@@ -4,6 +4,7 @@ the HTTP server. Every startup problem becomes :class:`StartupError`: one line, 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import signal
@@ -167,9 +168,10 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     created = int(time.time())
     served = [ServedModel(p.id, w, p.format, created) for p, w in zip(plans, workers)]
     app = create_app(served, api_key=config.api_key, max_body_bytes=body_limit, incoming=incoming)
+    mesh_listener = None
     if config.mesh is not None:
         try:
-            app = join_mesh(app, served, config, body_limit)
+            app, mesh_listener = join_mesh(app, served, config, body_limit)
         except StartupError:
             for worker in workers:
                 worker.stop(timeout=5)
@@ -177,7 +179,7 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     server = _graceful_server(uvicorn)(
         uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
                        http=timed_protocol(config.read_timeout), ssl_certfile=config.tls_cert,
-                       ssl_keyfile=config.tls_key), workers)
+                       ssl_keyfile=config.tls_key), workers, mesh_listener)
     failed: list[str] = []
 
     def watch() -> None:
@@ -213,10 +215,23 @@ def _graceful_server(uvicorn):
     once."""
 
     class GracefulServer(uvicorn.Server):
-        def __init__(self, config, workers: list):
+        def __init__(self, config, workers: list, mesh_listener=None):
+            """``mesh_listener``: (socket, TLS context) of the mesh port, served by the same app."""
             super().__init__(config)
             self._workers = workers
+            self._mesh_listener = mesh_listener
             self.signalled: int | None = None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self._mesh_listener is None or self.should_exit:
+                return
+            sock, context = self._mesh_listener
+            config = self.config
+            self.servers.append(await asyncio.get_running_loop().create_server(
+                lambda: config.http_protocol_class(config=config, server_state=self.server_state,
+                                                   app_state=self.lifespan.state),
+                sock=sock, ssl=context, backlog=config.backlog))
 
         def handle_exit(self, sig: int, frame) -> None:
             self.signalled = self.signalled or sig
@@ -308,15 +323,51 @@ def check_tls(config: ServeConfig) -> None:
 
 
 def join_mesh(app, served: list[ServedModel], config: ServeConfig, body_limit: int):
-    """Put the mesh gateway in front of ``app``, joining the mesh first when told to."""
+    """Put the mesh gateway in front of ``app``, joining the mesh first when told to; returns it and
+    the mesh port's (socket, TLS context), or None when peers use the API port."""
     from mesh_llm.mesh import MeshError, attach
     from mesh_llm.mesh.node import api_url
 
-    if config.mesh.tls_ca is not None and not Path(config.mesh.tls_ca).is_file():
-        raise StartupError(f"--tls-ca {config.mesh.tls_ca}: no such file")
-    url = api_url(config.host, config.port, tls=config.tls_cert is not None)
+    mesh = config.mesh
+    if mesh.tls_ca is not None and not Path(mesh.tls_ca).is_file():
+        raise StartupError(f"--tls-ca {mesh.tls_ca}: no such file")
+    port = mesh_port(config)
+    if port is None:
+        url, sock = api_url(config.host, config.port, tls=config.tls_cert is not None), None
+    else:
+        if mesh.advertise_url is not None and not mesh.advertise_url.startswith("https://"):
+            raise StartupError(f"--advertise-url {mesh.advertise_url}: this node's mesh port is encrypted; "
+                               "advertise it as https://HOST:MESH_PORT")
+        sock = bind(config.host, port)
+        url = api_url(config.host, sock.getsockname()[1], tls=True)
     try:
-        return attach(app, served, config.mesh, url, api_key=config.api_key,
-                      max_body_bytes=body_limit)
+        gateway = attach(app, served, mesh, url, api_key=config.api_key, max_body_bytes=body_limit,
+                         mesh_port=None if sock is None else sock.getsockname()[1])
     except MeshError as exc:
+        if sock is not None:
+            sock.close()
         raise StartupError(str(exc)) from None
+    return gateway, None if sock is None else (sock, gateway.node.server_tls())
+
+
+def mesh_port(config: ServeConfig) -> int | None:
+    """The port node-to-node traffic comes to, encrypted with the node's key: ``--mesh-port``, or
+    by default the API port + 1 on a node that listens beyond this machine. None: peers use the
+    API port (a node on loopback only, whose traffic never leaves the machine, or one whose
+    peers verify a CA's certificates, ``--tls-ca``)."""
+    if config.mesh.tls_ca is not None:
+        if config.mesh.port is not None:
+            raise StartupError("--mesh-port and --tls-ca do not go together: with a CA, peers use the API port")
+        return None
+    if config.mesh.port is not None:
+        return config.mesh.port
+    return None if is_loopback(config.host) else config.port + 1
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -232,3 +232,68 @@ def start_tls_server(args: list[str], log: Path, ca_file: str, timeout: float = 
         time.sleep(0.2)
     server.stop()
     pytest.fail(f"server not healthy after {timeout}s:\n{server.output()}")
+
+
+class Pipe:
+    """A TCP port that passes each connection on to ``target_port`` (set later if need be) and keeps
+    every byte it carries in ``seen``: a listener on the path between two nodes. With ``tls`` (a
+    server context) it is a man in the middle instead: it ends the TLS itself with that context,
+    opens its own (unverified) TLS to the target, and keeps the plaintext."""
+
+    def __init__(self, target_port: int | None = None, tls: ssl.SSLContext | None = None):
+        self.target_port, self.tls = target_port, tls
+        self.seen = bytearray()
+        self._lock = threading.Lock()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._carry, args=(conn,), daemon=True).start()
+
+    def _carry(self, conn: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
+            upstream.settimeout(None)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+                unverified = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
+                upstream = unverified.wrap_socket(upstream)
+        except OSError:
+            conn.close()
+            return
+        self._conns += [conn, upstream]
+        threading.Thread(target=self._pump, args=(upstream, conn), daemon=True).start()
+        self._pump(conn, upstream)
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                with self._lock:
+                    self.seen += chunk
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        for end in (source, sink):
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self._conns:
+            conn.close()

@@ -6,6 +6,7 @@ to the node that serves it best. ``attach`` puts a node's gateway in front of th
   membership.py  the table of members: versioned merges, down, dropped, tombstones (no I/O)
   heartbeat.py   joining, the heartbeat loop, leaving
   routing.py     the routing policy: target, prefix affinity, load, context fit (no I/O)
+  peers.py       the HTTP clients to peers: pinned to their node keys on their mesh ports
   relay.py       forwarded answers between nodes: first-byte timeout, keep-alives
   proxy.py       one attempt at a peer from the entry node, passed through unbuffered
   gateway.py     the ASGI front door: local or peer, failover, x-mesh-served-by
@@ -28,8 +29,11 @@ class MeshError(Exception):
     """A mesh problem that stops the node from starting, told in one line."""
 
 
-def attach(app, models: list, config: MeshConfig, url: str, api_key: str | None, max_body_bytes: int):
-    """Join the mesh (when told to) and return the gateway to serve instead of ``app``."""
+def attach(app, models: list, config: MeshConfig, url: str, api_key: str | None, max_body_bytes: int,
+           mesh_port: int | None = None):
+    """Join the mesh (when told to) and return the gateway to serve instead of ``app``. ``url``: the
+    address peers reach this node at: its mesh port's (``mesh_port``, the local port) when it has
+    one, else its API's."""
     from mesh_llm.mesh.gateway import Gateway
     from mesh_llm.mesh.heartbeat import JoinRefused, join
     from mesh_llm.mesh.identity import KeyUnusable
@@ -49,12 +53,12 @@ def attach(app, models: list, config: MeshConfig, url: str, api_key: str | None,
             raise MeshError(str(exc)) from None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     try:
-        node = MeshNode(config, models, config.advertise_url or url)
+        node = MeshNode(config, models, config.advertise_url or url, mesh_port)
     except KeyUnusable as exc:
         raise MeshError(str(exc)) from None
     if config.join:
         try:
-            join(node, node.join_urls, node.verify)
+            join(node, node.join_urls)
         except JoinRefused as exc:
             raise MeshError(str(exc)) from None
     return Gateway(app, node, api_key, max_body_bytes)

@@ -21,7 +21,8 @@ class MeshConfig:
     client: bool = False  # an API-only node: serves no model, routes every request to peers
     discover: bool = False  # find (and be found by) members with the same token over mDNS
     node_name: str | None = None  # default: "<hostname>-<6 random hex>", new at every start
-    advertise_url: str | None = None  # the API address peers use; default: from --host/--port
+    advertise_url: str | None = None  # the address peers use; default: from --host and the port they use
+    port: int | None = None  # the mesh port (TLS with the node's key); None: serve.mesh_port decides
     tls_ca: str | None = None  # CA bundle to verify peers' certificates (default: the system's)
     first_byte_timeout: float = 10.0  # a peer silent this long is skipped for the next candidate
     stream_idle_timeout: float = 60.0  # a forwarded body silent this long midway is ended (0: never)

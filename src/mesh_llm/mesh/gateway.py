@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import logging
 
+import httpx
 from starlette.datastructures import Headers
 
 from mesh_llm.api.app import PEER_SCOPE_KEY, bearer_matches, key_refused
 from mesh_llm.api.errors import error_response
-from mesh_llm.mesh.api import control_app, is_control
+from mesh_llm.mesh.api import control_app, elsewhere, is_control
 from mesh_llm.mesh.node import MeshNode
 from mesh_llm.mesh.proxy import Answer, ClientGone, Failure, attempt, forward_headers, verdict
 from mesh_llm.mesh.relay import serve_relayed
@@ -59,8 +60,11 @@ class Gateway:
         if is_control(path):
             return await self.control(scope, receive, send)
         if "x-mesh-forwarded" in headers:
+            if self.node.off_channel(scope):
+                return await elsewhere(self.node)(scope, receive, send)
             body = await _read_body(receive, self.max_body_bytes)
-            if body is None or self.node.auth.check(headers.get(AUTH_HEADER), scope["method"], path, body) is None:
+            if body is None or self.node.auth.check(headers.get(AUTH_HEADER), scope["method"], path, body,
+                                                    self.node.channel_key(scope)) is None:
                 return await error_response(401, "a forwarded request needs a mesh token signature",
                                             code="invalid_mesh_token")(scope, receive, send)
             scope[PEER_SCOPE_KEY] = headers["x-mesh-forwarded"]
@@ -170,10 +174,14 @@ class Gateway:
         member = self.node.membership.get(member_id)
         if member is None:
             return Failure("left the mesh")
-        signature = self.node.auth.sign(scope["method"], scope["path"], body)
+        try:
+            http, peer = await self.node.peers.client(member.record.url, member.signed.key)
+        except httpx.ConnectError as exc:
+            return Failure(f"cannot be reached ({exc})")
+        signature = self.node.auth.sign(scope["method"], scope["path"], body, peer)
         headers = forward_headers(scope["headers"], signature, self.node.id)
         with self.node.watch(member_id, model) as lost:
-            return await attempt(self.node.http, member.record.url, scope, body, headers,
+            return await attempt(http, member.record.url, scope, body, headers,
                                  self.node.config.first_byte_timeout, lost, receive, send, extra,
                                  idle_timeout=self.node.config.stream_idle_timeout, served_by=member_id)
 

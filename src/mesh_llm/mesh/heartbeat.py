@@ -14,8 +14,9 @@ import httpx
 from pydantic import ValidationError
 
 from mesh_llm.mesh.identity import BadSignature, opened
+from mesh_llm.mesh.peers import PlainRefused
 from mesh_llm.mesh.records import Heartbeat, NodeRecord
-from mesh_llm.mesh.security import AUTH_HEADER
+from mesh_llm.mesh.security import ADDRESS_HEADER, AUTH_HEADER
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -24,44 +25,53 @@ class JoinRefused(Exception):
     """A member refused this node (wrong token, an id already taken) or could not be reached."""
 
 
-def join(node, seeds: list[str], verify) -> None:
+def join(node, seeds: list[str]) -> None:
     """Introduce this node to the mesh through ``seeds`` before serving, each in turn until one takes
     it: none that does stops the start-up with one clear line (a refused token first, as it is the
-    likeliest fault)."""
+    likeliest fault). A seed's API port that names its mesh address is followed there."""
     errors, refused = [], []
     payload = node.heartbeat().model_dump_json().encode()
-    with httpx.Client(verify=verify, timeout=node.config.connect_timeout * 2, trust_env=False) as http:
-        for seed in seeds:
-            headers = _headers(node, "/mesh/heartbeat", payload)
-            try:
+    queue, tried = list(seeds), set()
+    while queue:
+        seed = queue.pop(0)
+        tried.add(seed)
+        try:
+            channel = node.peers.channel(seed, first_contact=True)
+            headers = _headers(node, "/mesh/heartbeat", payload, channel.peer)
+            with httpx.Client(verify=channel.verify, timeout=node.config.connect_timeout * 2, trust_env=False) as http:
                 reply = http.post(seed + "/mesh/heartbeat", content=payload, headers=headers)
-            except httpx.HTTPError as exc:
-                errors.append(f"cannot reach the mesh at {seed}: {exc}")
-                continue
-            if reply.status_code == 401:
-                refused.append(f"the mesh at {seed} refused this node's mesh token")
-                continue
-            if reply.status_code != 200:
-                errors.append(f"the mesh at {seed} refused this node: {_message(reply)}")
-                continue
-            if not node.auth.answered(headers[AUTH_HEADER], reply.headers.get(AUTH_HEADER), reply.content):
-                errors.append(f"{seed} answered the join without proving it holds the mesh token")
-                continue
-            try:
-                beat = Heartbeat.model_validate_json(reply.content)
-                sender = opened(beat.sender, NodeRecord)
-            except (ValidationError, BadSignature):
-                errors.append(f"{seed} answered the join with something that is not a mesh heartbeat")
-                continue
-            node.take_heartbeat(beat, sender, reached=True)
-            node.seeds.discard(seed)
-            return
+        except httpx.HTTPError as exc:
+            errors.append(f"cannot reach the mesh at {seed}: {exc}")
+            continue
+        address = reply.headers.get(ADDRESS_HEADER, "")
+        if reply.status_code == 421 and address not in tried and node.redirect(seed, address):
+            queue.insert(0, address)
+            continue
+        if reply.status_code == 401:
+            refused.append(f"the mesh at {seed} refused this node's mesh token" + (
+                f" or the key its TLS showed ({channel.peer[:12]}...: is something in between?)" if channel.peer else ""))
+            continue
+        if reply.status_code != 200:
+            errors.append(f"the mesh at {seed} refused this node: {_message(reply)}")
+            continue
+        if not node.auth.answered(headers[AUTH_HEADER], reply.headers.get(AUTH_HEADER), reply.content):
+            errors.append(f"{seed} answered the join without proving it holds the mesh token")
+            continue
+        try:
+            beat = Heartbeat.model_validate_json(reply.content)
+            sender = opened(beat.sender, NodeRecord)
+        except (ValidationError, BadSignature):
+            errors.append(f"{seed} answered the join with something that is not a mesh heartbeat")
+            continue
+        node.take_heartbeat(beat, sender, reached=True)
+        node.seeds.discard(seed)
+        return
     raise JoinRefused((refused or errors)[0])
 
 
 class Heartbeater:
-    def __init__(self, node, http: httpx.AsyncClient):
-        self.node, self.http = node, http
+    def __init__(self, node):
+        self.node = node
         interval = node.config.heartbeat_interval
         self.timeout = httpx.Timeout(max(interval, node.config.down_after / 2), connect=node.config.connect_timeout)
         self._in_flight: dict[str, asyncio.Task] = {}
@@ -77,35 +87,38 @@ class Heartbeater:
         """Send one round of heartbeats; one still under way to an address is not doubled."""
         node = self.node
         payload = node.heartbeat().model_dump_json().encode()
-        targets = {m.record.url: m.id for m in node.membership.members()}
+        targets = {m.record.url: (m.id, m.signed.key) for m in node.membership.members()}
         if not node.membership.up():
-            targets.update({seed: None for seed in node.join_urls})  # alone: try the way in again
-        targets.update({seed: None for seed in node.seeds if seed not in targets})
-        for url, member_id in targets.items():
+            targets.update({seed: (None, None) for seed in node.join_urls})  # alone: try the way in again
+        targets.update({seed: (None, None) for seed in node.seeds if seed not in targets})
+        for url, (member_id, key) in targets.items():
             if url == node.url or (url in self._in_flight and not self._in_flight[url].done()):
                 continue
-            self._in_flight[url] = asyncio.create_task(self._send(url, member_id, payload))
+            self._in_flight[url] = asyncio.create_task(self._send(url, member_id, key, payload))
         for url in [u for u, t in self._in_flight.items() if t.done() and u not in targets]:
             del self._in_flight[url]
 
-    async def _send(self, url: str, member_id: str | None, payload: bytes) -> None:
-        headers = _headers(self.node, "/mesh/heartbeat", payload)
+    async def _send(self, url: str, member_id: str | None, key: str | None, payload: bytes) -> None:
         try:
-            reply = await self.http.post(url + "/mesh/heartbeat", content=payload, headers=headers,
-                                         timeout=self.timeout)
+            http, peer = await self.node.peers.client(url, key, first_contact=member_id is None)
+            headers = _headers(self.node, "/mesh/heartbeat", payload, peer)
+            reply = await http.post(url + "/mesh/heartbeat", content=payload, headers=headers, timeout=self.timeout)
+        except PlainRefused as exc:
+            self._warn_once(url, str(exc))
+            return
         except httpx.HTTPError as exc:
             log.debug("heartbeat to %s failed: %s", url, exc)
+            if member_id is None:
+                await self.node.peers.forget(url)  # a seed that comes back may show another key
+            return
+        if reply.status_code == 421 and self.node.redirect(url, reply.headers.get(ADDRESS_HEADER, "")):
             return
         if reply.status_code != 200:
-            if url not in self._refused:
-                self._refused.add(url)
-                log.warning("%s refused this node's heartbeat: %s", url, _message(reply))
+            self._warn_once(url, f"{url} refused this node's heartbeat: {_message(reply)}")
             return
         self._refused.discard(url)
         if not self.node.auth.answered(headers[AUTH_HEADER], reply.headers.get(AUTH_HEADER), reply.content):
-            if url not in self._refused:
-                self._refused.add(url)
-                log.warning("%s answered a heartbeat without proving it holds the mesh token; ignored", url)
+            self._warn_once(url, f"{url} answered a heartbeat without proving it holds the mesh token; ignored")
             return
         try:
             beat = Heartbeat.model_validate_json(reply.content)
@@ -115,17 +128,29 @@ class Heartbeater:
             return
         if member_id is not None and sender.id != member_id:
             return  # another node now lives at that address: its own heartbeats will introduce it
+        if peer and beat.sender.key != peer:
+            self._warn_once(url, f"{url} shows the node key {peer[:12]}... but signs as {sender.id}; ignored")
+            return
         self.node.take_heartbeat(beat, sender, reached=True)
         self.node.seeds.discard(url)
+
+    def _warn_once(self, url: str, message: str) -> None:
+        if url not in self._refused:
+            self._refused.add(url)
+            log.warning("%s", message)
 
     async def leave(self) -> None:
         """Tell every member this node is leaving, so they drop it now rather than in seconds."""
         node = self.node
         notice = node.leave_notice().model_dump_json().encode()
         members = node.membership.up()
-        results = await asyncio.gather(*(self.http.post(m.record.url + "/mesh/leave", content=notice,
-                                                        headers=_headers(node, "/mesh/leave", notice), timeout=1.0)
-                                         for m in members), return_exceptions=True)
+
+        async def tell(member) -> httpx.Response:
+            http, peer = await node.peers.client(member.record.url, member.signed.key)
+            return await http.post(member.record.url + "/mesh/leave", content=notice, timeout=1.0,
+                                   headers=_headers(node, "/mesh/leave", notice, peer))
+
+        results = await asyncio.gather(*(asyncio.wait_for(tell(m), 2.0) for m in members), return_exceptions=True)
         told = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200)
         if members:
             log.info("left the mesh: told %d of %d members", told, len(members))
@@ -135,8 +160,8 @@ class Heartbeater:
             task.cancel()
 
 
-def _headers(node, path: str, body: bytes) -> dict[str, str]:
-    return {**node.auth.headers("POST", path, body), "content-type": "application/json"}
+def _headers(node, path: str, body: bytes, peer: str) -> dict[str, str]:
+    return {**node.auth.headers("POST", path, body, peer), "content-type": "application/json"}
 
 
 def _message(reply: httpx.Response) -> str:

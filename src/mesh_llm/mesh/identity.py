@@ -4,16 +4,25 @@ signed with its Ed25519 key; members relay the signed bytes as they are. So a me
 another's news but never make it up: no forged version that evicts a live node, no leave in its
 name, no record of models it does not serve.
 
+The same key is the node's TLS identity on its mesh port: a self-signed certificate made from it
+(always the same bytes for the same key), which peers pin to the key in the node's signed record
+rather than to a CA (``mesh/peers.py``).
+
 A named node (``--node-name``) keeps its key in mesh-llm's home, so it comes back as itself after a
 restart; a node with the default name, new at each start, has a new key each start."""
 
 from __future__ import annotations
 
 import base64
+import datetime
+import hashlib
 import os
+import ssl
+import tempfile
 from pathlib import Path
 from typing import TypeVar
 
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
@@ -63,6 +72,33 @@ class NodeKey:
             raise KeyUnusable(f"the node key {path} cannot be written ({exc})") from None
         return cls(key)
 
+    def certificate(self) -> bytes:
+        """A self-signed certificate (PEM) for this key, the same bytes at every call (Ed25519
+        signatures are deterministic and every field is fixed), so a pin holds across restarts."""
+        public = self._private.public_key()
+        name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "mesh-llm node")])
+        serial = int.from_bytes(hashlib.sha256(public.public_bytes(Encoding.Raw, PublicFormat.Raw)).digest()[:16],
+                                "big") >> 1
+        certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(public)
+                       .serial_number(serial).not_valid_before(datetime.datetime(2020, 1, 1))
+                       .not_valid_after(datetime.datetime(9999, 12, 31))
+                       .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                       .sign(self._private, None))
+        return certificate.public_bytes(Encoding.PEM)
+
+    def server_tls(self) -> ssl.SSLContext:
+        """The mesh port's TLS: this key's certificate, TLS 1.3 only."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        with tempfile.TemporaryDirectory() as folder:  # ssl loads keys from files only
+            cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
+            cert.write_bytes(self.certificate())
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+            context.load_cert_chain(cert, key)
+        return context
+
     def sign(self, model: BaseModel) -> Signed:
         return self.signed(model.model_dump_json())
 
@@ -85,6 +121,14 @@ def verified(signed: Signed) -> bool:
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+def certificate_key(pem: str) -> str:
+    """The node key a mesh port's certificate is made from; ValueError for any other certificate."""
+    public = x509.load_pem_x509_certificate(pem.encode()).public_key()
+    if not isinstance(public, Ed25519PublicKey):
+        raise ValueError("not a mesh node's certificate (its key is not Ed25519)")
+    return _b64(public.public_bytes(Encoding.Raw, PublicFormat.Raw))
 
 
 def _b64(raw: bytes) -> str:

@@ -22,9 +22,10 @@ from mesh_llm.mesh.config import MeshConfig
 from mesh_llm.mesh.heartbeat import Heartbeater
 from mesh_llm.mesh.identity import BadSignature, NodeKey, opened, verified
 from mesh_llm.mesh.membership import Change, Membership
+from mesh_llm.mesh.peers import Peers
 from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord, Signed
 from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
-from mesh_llm.mesh.security import MeshAuth, client_tls
+from mesh_llm.mesh.security import MeshAuth
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -34,9 +35,10 @@ DEMOTE_FIRST_S, DEMOTE_LONGEST_S = 10.0, 300.0
 
 
 class MeshNode:
-    def __init__(self, config: MeshConfig, models: list, url: str):
+    def __init__(self, config: MeshConfig, models: list, url: str, mesh_port: int | None = None):
         """``models``: the server's ``ServedModel`` list (empty for a client node); ``url``: this
-        node's API address as peers reach it."""
+        node's address as peers reach it; ``mesh_port``: the local port of its mesh listener (TLS
+        with its key), None when peers use the API port."""
         self.config = config
         self.id = config.node_name or f"{socket.gethostname().split('.')[0][:48]}-{secrets.token_hex(3)}"
         # a named node comes back as itself after a restart: its key is kept; a default name is new
@@ -49,13 +51,15 @@ class MeshNode:
         self.join_urls = [u.rstrip("/") for u in config.join]
         self.seeds: set[str] = set(self.join_urls)
         self.streams = 0  # requests in progress through this node (served or relayed)
-        self.verify = client_tls(config.tls_ca) if self.url.startswith("https") or config.tls_ca else True
+        self.mesh_port = mesh_port
+        self.peers = Peers(config.tls_ca, encrypted=mesh_port is not None, connect_timeout=config.connect_timeout,
+                           timeout=httpx.Timeout(connect=config.connect_timeout, read=None, write=30,
+                                                 pool=config.connect_timeout))
         self.auth = MeshAuth(config.token)
         self._incarnation, self._seq, self._started = time.time_ns(), 0, time.time()
         self._in_flight: Counter[tuple[str, str]] = Counter()  # (member, model) -> requests sent there
         self._lost: dict[str, set[asyncio.Event]] = {}
         self._demoted: dict[tuple[str, str], tuple[float, int]] = {}  # (member, model) -> (until, failures)
-        self.http: httpx.AsyncClient | None = None
         self._heartbeater: Heartbeater | None = None
         self._tasks: list[asyncio.Task] = []
         self.discovery = None
@@ -92,6 +96,30 @@ class MeshNode:
 
     def leave_notice(self) -> Signed:
         return self.key.sign(Leave(id=self.id, version=self.bump()))
+
+    def server_tls(self):
+        """The mesh listener's TLS (this node's key), or None without a mesh port."""
+        return self.key.server_tls() if self.mesh_port is not None else None
+
+    def channel_key(self, scope: dict) -> str:
+        """The key a request's signature is bound to: this node's over its mesh port, else ""."""
+        on_mesh_port = scope.get("scheme") == "https" and (scope.get("server") or ("", None))[1] == self.mesh_port
+        return self.key.public if self.mesh_port is not None and on_mesh_port else ""
+
+    def off_channel(self, scope: dict) -> bool:
+        """Node-to-node traffic that came to the API port of a node that has a mesh port."""
+        return self.mesh_port is not None and not self.channel_key(scope)
+
+    def redirect(self, url: str, address: str) -> bool:
+        """A seed's API port named its mesh address: join through that instead. False when
+        ``address`` is not one."""
+        if not address.startswith("https://") or address == url:
+            return False
+        self.join_urls = [address if u == url else u for u in self.join_urls]
+        if url in self.seeds:
+            self.seeds.discard(url)
+            self.seeds.add(address)
+        return True
 
     # -- what others say -------------------------------------------------------------------------------
 
@@ -208,12 +236,7 @@ class MeshNode:
     # -- life ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.http = httpx.AsyncClient(
-            verify=self.verify, trust_env=False,
-            timeout=httpx.Timeout(connect=self.config.connect_timeout, read=None, write=30,
-                                  pool=self.config.connect_timeout),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64))
-        self._heartbeater = Heartbeater(self, self.http)
+        self._heartbeater = Heartbeater(self)
         self._tasks.append(asyncio.create_task(self._heartbeater.run(), name="mesh-heartbeat"))
         if self.config.discover:
             from mesh_llm.mesh.discovery import Discovery
@@ -239,8 +262,7 @@ class MeshNode:
         if self._heartbeater is not None:
             self._heartbeater.cancel()
             await self._heartbeater.leave()
-        if self.http is not None:
-            await self.http.aclose()
+        await self.peers.aclose()
 
     def add_seed(self, url: str) -> None:
         """An address to heartbeat until it answers (discovery finds these)."""
@@ -285,7 +307,7 @@ def _memory() -> dict:
 
 
 def api_url(host: str, port: int, tls: bool) -> str:
-    """This node's API address for peers, from the address it listens on; a wildcard bind is
+    """This node's address for peers, from the address it listens on; a wildcard bind is
     advertised under the machine's own address (``--advertise-url`` overrides it)."""
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())

@@ -1,6 +1,8 @@
 """The mesh token and TLS. The token never goes on the wire: every node-to-node request carries
 ``x-mesh-auth: v1 <unix time> <nonce> <mac>``, an HMAC-SHA256 under a key derived from the token
-over the method, the path, the time, the nonce and the SHA-256 of the body. A receiver takes each
+over the method, the path, the time, the nonce, the SHA-256 of the body and the receiver's node key
+when the request goes over its mesh port's pinned TLS (so a request read by a man in the middle,
+who had to show his own key, is refused by the node it was meant for). A receiver takes each
 nonce once while its time is within ``MAX_SKEW_S`` of its own clock, so a captured request cannot
 be replayed or bent to another path or body; and it answers a heartbeat with an HMAC over the
 request's nonce and its own reply, which proves to the sender that it holds the token too (a node
@@ -16,6 +18,7 @@ import ssl
 import time
 
 AUTH_HEADER = "x-mesh-auth"
+ADDRESS_HEADER = "x-mesh-address"  # an API port's 421 to node-to-node traffic: its mesh port's address
 MAX_SKEW_S = 300  # how far a request's time may be from the receiver's clock (NTP keeps nodes far closer)
 
 
@@ -26,15 +29,17 @@ class MeshAuth:
         self._key = hmac.new(token.encode(), b"mesh-llm requests v1", hashlib.sha256).digest()
         self._seen: dict[str, float] = {}  # nonces taken, with their times, for replays in the window
 
-    def sign(self, method: str, path: str, body: bytes = b"") -> str:
+    def sign(self, method: str, path: str, body: bytes = b"", peer: str = "") -> str:
+        """``peer``: the node key the receiver's TLS showed (pinned), or "" over plain HTTP or a CA's TLS."""
         stamp, nonce = int(time.time()), secrets.token_hex(16)
-        return f"v1 {stamp} {nonce} {self._mac(method, path, str(stamp), nonce, body)}"
+        return f"v1 {stamp} {nonce} {self._mac(method, path, str(stamp), nonce, body, peer)}"
 
-    def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
-        return {AUTH_HEADER: self.sign(method, path, body)}
+    def headers(self, method: str, path: str, body: bytes = b"", peer: str = "") -> dict[str, str]:
+        return {AUTH_HEADER: self.sign(method, path, body, peer)}
 
-    def check(self, header: str | None, method: str, path: str, body: bytes) -> str | None:
-        """The request's nonce when ``header`` signs this request and was not seen before, else None."""
+    def check(self, header: str | None, method: str, path: str, body: bytes, peer: str = "") -> str | None:
+        """The request's nonce when ``header`` signs this request (for this node's key ``peer`` when
+        it came over the mesh port) and was not seen before, else None."""
         parts = (header or "").split(" ")
         if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit() or len(parts[2]) != 32:
             return None
@@ -42,7 +47,7 @@ class MeshAuth:
         now = time.time()
         if abs(now - int(stamp)) > MAX_SKEW_S or nonce in self._seen:
             return None
-        if not hmac.compare_digest(mac, self._mac(method, path, stamp, nonce, body)):
+        if not hmac.compare_digest(mac, self._mac(method, path, stamp, nonce, body, peer)):
             return None
         if len(self._seen) > 10_000:  # forget what has left the window
             self._seen = {n: t for n, t in self._seen.items() if now - t <= 2 * MAX_SKEW_S}
@@ -59,8 +64,9 @@ class MeshAuth:
         nonce = request_header.split(" ")[2]
         return reply_header is not None and hmac.compare_digest(reply_header, self.answer(nonce, body))
 
-    def _mac(self, method: str, path: str, stamp: str, nonce: str, body: bytes) -> str:
-        message = "\n".join((method.upper(), path, stamp, nonce, hashlib.sha256(body).hexdigest()))
+    def _mac(self, method: str, path: str, stamp: str, nonce: str, body: bytes, peer: str = "") -> str:
+        parts = [method.upper(), path, stamp, nonce, hashlib.sha256(body).hexdigest()]
+        message = "\n".join([*parts, peer] if peer else parts)
         return hmac.new(self._key, message.encode(), hashlib.sha256).hexdigest()
 
 
