@@ -89,6 +89,23 @@ def test_ties_follow_the_prefix_so_entry_nodes_agree():
     assert len(spread) > 3  # different conversations spread over the nodes
 
 
+def test_a_new_prefix_goes_home_whatever_small_load_differences_say():
+    """Two entry nodes that hold different load figures for the seconds after a turn still pick
+    the same node for a conversation neither has routed; a home much busier than another yields."""
+    homes = {}
+    for i in range(40):
+        prefix = f"conversation-{i}"
+        seen_by_one = order([node("a", active=1, max_batch=4), node("b", max_batch=4)], need_tokens=10, prefix=prefix)
+        seen_by_other = order([node("a", max_batch=4), node("b", active=2, max_batch=4)], need_tokens=10, prefix=prefix)
+        assert seen_by_one[0].id == seen_by_other[0].id
+        homes[prefix] = seen_by_one[0].id
+    assert set(homes.values()) == {"a", "b"}  # conversations still spread
+    prefix = next(p for p, home in homes.items() if home == "a")
+    crowded = order([node("a", active=4, waiting=4, max_batch=4), node("b", max_batch=4)], need_tokens=10,
+                    prefix=prefix)
+    assert ids(crowded) == ["b", "a"]
+
+
 def test_prefix_key_of_a_chat_is_its_start_up_to_the_first_user_message():
     system = {"role": "system", "content": "Be brief."}
     turn1 = {"model": "m", "messages": [system, {"role": "user", "content": "Hi"}]}

@@ -6,6 +6,8 @@ to the node that serves it best. ``attach`` puts a node's gateway in front of th
   membership.py  the table of members: versioned merges, down, dropped, tombstones (no I/O)
   heartbeat.py   joining, the heartbeat loop, leaving
   routing.py     the routing policy: target, prefix affinity, load, context fit (no I/O)
+  security.py    the mesh token: requests signed with it, answers signed back
+  identity.py    node keys: records signed by their node, the mesh port's certificate
   peers.py       the HTTP clients to peers: pinned to their node keys on their mesh ports
   relay.py       forwarded answers between nodes: first-byte timeout, keep-alives
   proxy.py       one attempt at a peer from the entry node, passed through unbuffered

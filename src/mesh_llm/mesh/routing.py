@@ -3,9 +3,12 @@
 The order: an explicit ``x-mesh-target`` first (``x-mesh-exclude`` removes nodes), then the node that
 last served the same prompt prefix (system prompt + tools + first user message) so its prompt cache
 hits, unless it is much busier than another, then the least loaded node whose context fits the
-prompt. A node that failed this entry node for the model lately (demoted) comes after every other
-whose context fits, whatever its load says. Ties go to the node a hash of the prefix picks (rendezvous hashing), so entry nodes that have
-never seen a conversation still agree on where it goes."""
+prompt. A prefix this entry node has not routed yet has a home instead: the node a hash of the
+prefix picks among those that can take it (rendezvous hashing), kept on the same terms. So every
+entry node sends a conversation to the same node, whatever load figures each happens to hold for
+the seconds after a turn, and different conversations still spread over the nodes. A node that
+failed this entry node for the model lately (demoted) comes after every other whose context fits,
+whatever its load says."""
 
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ def order(candidates: list[Candidate], *, need_tokens: int, prefix: str | None =
     salt = prefix if prefix is not None else str(random.random())
     pool.sort(key=lambda c: (not c.reachable, not c.fits(need_tokens), c.demoted, c.saturated(need_tokens),
                              c.busy, _rendezvous(salt, c.id)))
+    if affinity is None and prefix is not None:
+        able = [c for c in pool if c.reachable and c.fits(need_tokens) and not c.demoted]
+        affinity = min(able, key=lambda c: _rendezvous(prefix, c.id)).id if able else None
     sticky = next((c for c in pool if c.id == affinity), None)
     if sticky is not None and pool and sticky is not pool[0] and _keeps_affinity(sticky, pool[0], need_tokens):
         pool.remove(sticky)
