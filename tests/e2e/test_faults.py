@@ -2,7 +2,8 @@
 still running after the grace period, and those waiting for a slot, each end properly (a stream with
 a ``server_shutting_down`` error event and ``[DONE]``, a non-streamed request with an OpenAI-format
 503), and the process exits 0 (130 after Ctrl-C) instead of dying by the signal. A client that sends
-its request a byte at a time (slowloris) is answered 408 and cut off at the read timeout."""
+its request a byte at a time (slowloris) is answered 408 and cut off at the read timeout; one that
+leaves midway through its body is one log line."""
 
 from __future__ import annotations
 
@@ -87,8 +88,16 @@ def test_a_request_that_trickles_in_is_answered_408_and_closed_at_the_read_timeo
                 head, _, body = answer.partition(b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 408"), answer
                 assert json.loads(body)["error"]["code"] == "request_timeout"
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):  # leaves mid-body
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+                conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             "Content-Length: 5000\r\n\r\n{\"model\": \"x\", ".encode())
+                time.sleep(0.3)
         reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         assert reply.status_code == 200  # a request that arrives whole is served as ever
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+            assert f"a client left before its request's body arrived (POST {path})" in server.output()
+        assert "Traceback" not in server.output()  # one line each, as a peer's connection dropped
     finally:
         server.stop()

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mesh_llm.api.body import UnreadableBody, body_schema, json_body, with_body_schemas
 from mesh_llm.api.chat_tools import chat_plan
@@ -213,6 +214,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         # JSON lets a string hold a lone surrogate ("\\ud800"), which no tokenizer can encode
         return error_response(400, f"the request holds text that is not valid Unicode (a lone surrogate "
                               f"at position {exc.start} of a string)", code="invalid_value")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(request: Request, exc: ClientDisconnect):
+        # a client (or a peer that gave up on a frozen node) that closed before its body arrived:
+        # nothing to answer, and nothing went wrong here
+        log.info("a client left before its request's body arrived (%s %s)", request.method, request.url.path)
+        return error_response(400, "the request's body did not arrive", code="client_left")
 
     @app.exception_handler(RecursionError)
     async def _too_deep(_: Request, exc: RecursionError):

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mesh_llm.api.app import bearer_matches
 from mesh_llm.api.errors import APIError, error_response
@@ -147,6 +148,11 @@ def _errors(app: FastAPI, node) -> None:
     @app.exception_handler(Elsewhere)
     async def _elsewhere(_: Request, exc: Elsewhere) -> JSONResponse:
         return elsewhere(node)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        log.info("a peer left before its request's body arrived (%s)", request.url.path)
+        return error_response(400, "the request's body did not arrive", code="client_left")
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
