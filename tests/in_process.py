@@ -49,12 +49,15 @@ class InProcessServer:
 
 @contextmanager
 def serve_fake(make_engine: Callable[[], FakeEngine] = FakeEngine, api_key: str | None = None,
-               max_queue: int = 64, request_timeout: float | None = None,
-               **app_options) -> Iterator[InProcessServer]:
+               max_queue: int = 64, request_timeout: float | None = None, aliases: tuple[str, ...] = (),
+               wrap: Callable = lambda app: app, **app_options) -> Iterator[InProcessServer]:
+    """``aliases``: more ids the same worker is served under; ``wrap``: what serve puts around the
+    app (CORS)."""
     worker = ModelWorker(MODEL, make_engine, max_queue=max_queue, request_timeout=request_timeout)
     worker.start()
     assert worker.wait_ready(10) and worker.ready, worker.load_error
-    app = create_app([ServedModel(MODEL, worker, "fake", 0)], api_key=api_key, **app_options)
+    served = [ServedModel(name, worker, "fake", 0) for name in (MODEL, *aliases)]
+    app = wrap(create_app(served, api_key=api_key, **app_options))
     server = InProcessServer(app, [worker]).start()
     try:
         yield server

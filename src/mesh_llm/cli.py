@@ -83,6 +83,9 @@ def serve(
     port: int = typer.Option(9337, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, envvar="MESH_LLM_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    cors_origin: list[str] = typer.Option([], help="A browser origin allowed to call the API (repeatable; '*' "
+                                          "for any). Default: http://localhost:* and http://127.0.0.1:*."),
+    no_cors: bool = typer.Option(False, "--no-cors", help="Allow no browser origin."),
     ctx_size: Optional[int] = typer.Option(None, help="Context length (default or 0: the model's own, "
                                            "fitted to memory)."),
     quantize: Optional[int] = typer.Option(None, help="4 or 8: quantize on load (MLX on a GPU)."),
@@ -170,6 +173,8 @@ def serve(
         raise fail("--threads must be at least 1")
     if max_queue < 0:
         raise fail("--max-queue must be 0 or more")
+    if no_cors and cors_origin:
+        raise fail("--no-cors and --cors-origin do not go together")
     if not read_timeout > 0:
         raise fail("--read-timeout must be more than 0")
     if request_timeout is not None and not request_timeout > 0:
@@ -203,7 +208,8 @@ def serve(
     config = ServeConfig(models=model, aliases=alias, engine=engine, host=host, port=port,
                          api_key=api_key or None, options=options, max_queue=max_queue,
                          read_timeout=read_timeout, request_timeout=request_timeout,
-                         tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config)
+                         tls_cert=tls_cert, tls_key=tls_key, mesh=mesh_config,
+                         cors_origins=[] if no_cors else cors_origin or None)
     try:
         code = run(config, progress_factory=ProgressBars().bar)
     except Relaunch:  # this process cannot run MLX; the same command in a fresh one can

@@ -49,6 +49,7 @@ class ServeConfig:
     tls_cert: str | None = None  # serve HTTPS (uvicorn's TLS) with this certificate and key
     tls_key: str | None = None
     mesh: MeshConfig | None = None  # take part in a mesh (mesh/); None: a standalone server
+    cors_origins: list[str] | None = None  # browser origins allowed; None: localhost's; []: none
 
 
 @dataclass
@@ -176,6 +177,7 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
             for worker in workers:
                 worker.stop(timeout=5)
             raise
+    app = with_cors(app, config.cors_origins)
     server = _graceful_server(uvicorn)(
         uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
                        http=timed_protocol(config.read_timeout), ssl_certfile=config.tls_cert,
@@ -204,6 +206,24 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
     if failed:
         raise StartupError(failed[0])
     return 130 if server.signalled == signal.SIGINT else 0
+
+
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def with_cors(app, origins: list[str] | None):
+    """Browsers' cross-origin calls (a web app on another port): allowed from this machine's own
+    pages by default, as llama-server does, or from ``origins`` ('*': any). The preflight is answered
+    here, before the API key is asked for; credentials (cookies) are never allowed, and the API key
+    goes in a header the preflight allows."""
+    if origins == []:
+        return app
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origins=origins or [], allow_origin_regex=None if origins else LOCAL_ORIGINS,
+                          allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
+                          allow_credentials=False, max_age=600,
+                          expose_headers=["x-mesh-served-by", "x-mesh-failed", "retry-after"])
 
 
 def _graceful_server(uvicorn):

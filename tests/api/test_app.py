@@ -56,7 +56,7 @@ def test_the_same_greedy_request_gets_the_same_answer_alone_or_beside_others(fak
 
 @pytest.mark.parametrize("body,status,param", [
     (b'{"model": "fake", "messages": [', 400, None),
-    ({"messages": MESSAGES}, 400, "model"),
+    ({"model": 7, "messages": MESSAGES}, 400, "model"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ({"model": "nope", "messages": MESSAGES}, 404, "model"),
@@ -239,3 +239,51 @@ def test_a_request_timeout_ends_running_and_waiting_requests_with_a_504():
             error = answer.json()["error"]
             assert error["code"] == "request_timeout" and error["type"] == "server_error", error
         assert server.workers[0].load() == {"active": 0, "waiting": 0, "max_batch": 1}
+
+
+def test_a_request_without_a_model_gets_the_one_model_served():
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with serve_fake() as server:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=10)
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL
+        reply = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 3}, timeout=10)
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL
+    with serve_fake(aliases=("other",)) as server:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=10)
+        assert reply.status_code == 400
+        assert reply.json()["error"] == {"message": f"name a model: this server serves {MODEL}, other",
+                                         "type": "invalid_request_error", "param": "model",
+                                         "code": "missing_required_parameter"}
+
+
+def test_browser_pages_on_this_machine_may_call_the_api_and_other_origins_may_not():
+    from mesh_llm.serve import with_cors
+
+    preflight = {"access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with serve_fake(api_key="sesame", wrap=lambda app: with_cors(app, None)) as server:
+        url = server.url + "/v1/chat/completions"
+        for origin in ("http://localhost:3000", "http://127.0.0.1:5173", "http://[::1]:8080"):
+            # the preflight carries no key: it is answered before the key is asked for
+            reply = httpx.options(url, headers={"origin": origin, **preflight}, timeout=10)
+            assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == origin
+            assert "authorization" in reply.headers["access-control-allow-headers"].lower()
+            assert "access-control-allow-credentials" not in reply.headers
+        reply = httpx.post(url, json=chat, timeout=10, headers={"origin": "http://localhost:3000",
+                                                                 "authorization": "Bearer sesame"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "http://localhost:3000"
+        for origin in ("https://evil.example", "http://localhost.evil.example", "http://192.168.1.5:3000"):
+            reply = httpx.options(url, headers={"origin": origin, **preflight}, timeout=10)
+            assert reply.status_code == 400 and "access-control-allow-origin" not in reply.headers
+        reply = httpx.post(url, json=chat, timeout=10, headers={"origin": "https://evil.example"})
+        assert reply.status_code == 401 and "access-control-allow-origin" not in reply.headers
+    with serve_fake(wrap=lambda app: with_cors(app, ["*"])) as server:
+        reply = httpx.options(server.url + "/v1/models", headers={"origin": "https://any.example", **preflight})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+        assert "access-control-allow-credentials" not in reply.headers
+    with serve_fake(wrap=lambda app: with_cors(app, [])) as server:  # --no-cors
+        reply = httpx.options(server.url + "/v1/models", headers={"origin": "http://localhost:3000", **preflight})
+        assert "access-control-allow-origin" not in reply.headers

@@ -16,7 +16,7 @@ CASES = [
     ("malformed json", "POST", CHAT, b'{"model": "x", "messages": [', 400, "invalid_request_error", None),
     ("body is a list", "POST", CHAT, b"[1, 2]", 400, "invalid_request_error", None),
     ("body is not utf-8", "POST", CHAT, b"\xff\xfe\x00", 400, "invalid_request_error", None),
-    ("missing model", "POST", CHAT, {"messages": MSG}, 400, "invalid_request_error", "model"),
+    ("model not a string", "POST", CHAT, {"model": 7, "messages": MSG}, 400, "invalid_request_error", "model"),
     ("missing messages", "POST", CHAT, {"model": MODEL}, 400, "invalid_request_error", "messages"),
     ("empty messages", "POST", CHAT, {"model": MODEL, "messages": []}, 400, "invalid_request_error",
      "messages"),

@@ -47,6 +47,9 @@ def test_peers_talk_over_pinned_tls_and_a_listener_reads_nothing(mesh):
     reply = httpx.post(b.url + "/v1/chat/completions", timeout=120, json={
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"Remember: {SECRET}."}]})
     assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "sealed-a"
+    unnamed = httpx.post(b.url + "/v1/chat/completions", timeout=120, json={  # the mesh's one model
+        "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
     members = {m["id"]: m for m in httpx.get(a.url + "/api/mesh", headers=signed("GET", "/api/mesh"),
                                              timeout=10).json()["members"]}
     assert members["sealed-a"]["url"] == listener.url and members["sealed-b"]["url"].startswith("https://")

@@ -65,7 +65,12 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     if api_key is not None:  # outermost: checked before any body is read
         app.add_middleware(_RequireKey, api_key=api_key)
 
-    def lookup(model_id: str) -> ServedModel:
+    def lookup(model_id: str | None) -> ServedModel:
+        if model_id is None:
+            if len(by_id) != 1:
+                raise APIError(400, f"name a model: this server serves {', '.join(by_id) or 'none'}",
+                               param="model", code="missing_required_parameter")
+            model_id = next(iter(by_id))
         served = by_id.get(model_id)
         if served is None:
             raise APIError(404, f"the model '{model_id}' does not exist; available: {', '.join(by_id)}",

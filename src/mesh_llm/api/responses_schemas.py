@@ -72,7 +72,7 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(RequestBody):
-    model: str
+    model: str | None = None  # None: the one model served (llama-server and vLLM do the same)
     input: str | Annotated[list[dict[str, Any]], FIRST_ERROR]
     instructions: str | None = None
     tools: Annotated[list[FunctionTool], FIRST_ERROR] | None = None

@@ -153,7 +153,7 @@ class SamplingFields(RequestBody):
     """Fields shared by chat and text completions."""
 
     REFUSED: ClassVar[tuple[str, ...]] = SAMPLING_REFUSED
-    model: str
+    model: str | None = None  # None: the one model served (llama-server and vLLM do the same)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[StrictInt, Field(gt=0)] | None = None

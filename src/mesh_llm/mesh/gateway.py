@@ -115,6 +115,13 @@ class Gateway:
         except ValueError:
             payload = None
         model = payload.get("model") if isinstance(payload, dict) else None
+        if isinstance(payload, dict) and model is None:  # the mesh's one model, as a server's own
+            listed = [m["id"] for m in self.node.model_list()]
+            if len(listed) != 1:
+                return await error_response(400, f"name a model: this mesh serves {', '.join(listed) or 'none'}",
+                                            param="model", code="missing_required_parameter")(scope, receive, send)
+            model, body = listed[0], json.dumps({**payload, "model": listed[0]}).encode()
+            payload["model"] = model
         if not isinstance(model, str):  # the local app words the 400 as it does for any bad body
             return await self._local(scope, _replay(body, receive), send)
         exclude = frozenset(n.strip() for n in headers.get("x-mesh-exclude", "").split(",") if n.strip())
