@@ -177,7 +177,9 @@ def serve(config: ServeConfig, progress_factory=None) -> int:
             for worker in workers:
                 worker.stop(timeout=5)
             raise
-    app = with_cors(app, config.cors_origins)
+    from mesh_llm.api.messages_api import AnthropicErrors
+
+    app = with_cors(AnthropicErrors(app) if config.mesh is not None else app, config.cors_origins)
     server = _graceful_server(uvicorn)(
         uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5,
                        http=timed_protocol(config.read_timeout), ssl_certfile=config.tls_cert,

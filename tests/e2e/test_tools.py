@@ -1,7 +1,8 @@
 """Tool calls through the official openai client, on both engines serving the embedded SmolLM2 (a
 template without tools: the generic format, constrained): a named function's call validates against
 its parameters, streamed and not; the agent round trip (call, tool result, answer) through chat
-completions and through the Responses API, streamed and not; bad requests are 400s."""
+completions, through the Responses API and through Anthropic's Messages API (its own SDK), streamed
+and not; bad requests are 400s."""
 
 from __future__ import annotations
 
@@ -303,3 +304,34 @@ def test_odd_but_harmless_requests(llama_server):
     assert text.json()["usage"]["completion_tokens"] == 16
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert "Traceback" not in llama_server.output()
+
+
+def test_the_agent_round_trip_through_anthropics_messages_api(engine_server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=engine_server.url, api_key="unused", max_retries=0, timeout=300)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in CHAT_TOOLS]
+    asked = [{"role": "user", "content": QUESTION}]
+    call = client.messages.create(model=MODEL, max_tokens=80, messages=asked, tools=tools,
+                                  tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    assert call.stop_reason == "tool_use"
+    [use] = [b for b in call.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER)
+    with client.messages.stream(model=MODEL, max_tokens=80, messages=asked, tools=tools,
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    # a call assembled from input_json_delta events (a cached prompt may round another way on MLX)
+    [streamed_use] = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed.stop_reason == "tool_use" and streamed_use.name == "get_weather"
+    jsonschema.validate(streamed_use.input, WEATHER)
+    answer = client.messages.create(model=MODEL, max_tokens=30, tools=tools, extra_body={"temperature": 0}, messages=[
+        *asked, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}],
+        tool_choice={"type": "none"})
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
+    assert answer.content[0].text.strip()
+    counted = client.messages.count_tokens(model=MODEL, messages=asked, tools=tools)
+    assert counted.input_tokens > client.messages.count_tokens(model=MODEL, messages=asked).input_tokens

@@ -27,6 +27,7 @@ from mesh_llm.api.errors import (
 )
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import ResponseBuilder
+from mesh_llm.api.messages_api import AnthropicErrors, install_messages
 from mesh_llm.api.responses_api import install_responses
 from mesh_llm.api.responses_schemas import ResponsesRequest
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -62,8 +63,9 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     app.state.incoming = incoming
     _install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
-    if api_key is not None:  # outermost: checked before any body is read
+    if api_key is not None:  # checked before any body is read
         app.add_middleware(_RequireKey, api_key=api_key)
+    app.add_middleware(AnthropicErrors)  # outermost: the Messages routes' errors in Anthropic's shape
 
     def lookup(model_id: str | None) -> ServedModel:
         if model_id is None:
@@ -124,6 +126,7 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
             return await _complete(served, body, ids, body.logprobs, "text", request, arrival)
 
     install_responses(app, lookup)
+    install_messages(app, lookup)
     schema = app.openapi
     app.openapi = lambda: with_body_schemas(without_validation_errors(schema()),
                                             [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
@@ -242,17 +245,19 @@ def _union_branch(part) -> bool:
     return isinstance(part, str) and (part.endswith("]") or part in ("str", "int", "float", "bool", "dict", "list"))
 
 
-def bearer_matches(authorization: str | None, key: str) -> bool:
-    """``Authorization: Bearer KEY``, compared in constant time."""
-    header = authorization or ""
-    given = header[7:] if header.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(given.encode(), key.encode())
+def key_matches(headers: Headers, key: str) -> bool:
+    """``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's), compared
+    in constant time."""
+    header = headers.get("authorization") or ""
+    bearer = header[7:] if header.lower().startswith("bearer ") else ""
+    given = headers.get("x-api-key") or ""
+    return hmac.compare_digest(bearer.encode(), key.encode()) | hmac.compare_digest(given.encode(), key.encode())
 
 
 def key_refused():
     """The 401 for a request without the API key (the app's and the mesh gateway's)."""
-    return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                          code="invalid_api_key")
+    return error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                          "'x-api-key: <key>')", code="invalid_api_key")
 
 
 class _RequireKey:
@@ -268,7 +273,7 @@ class _RequireKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN or scope.get(PEER_SCOPE_KEY):
             return await self.app(scope, receive, send)
-        if not bearer_matches(Headers(scope=scope).get("authorization"), self.api_key):
+        if not key_matches(Headers(scope=scope), self.api_key):
             return await key_refused()(scope, receive, send)
         await self.app(scope, receive, send)
 

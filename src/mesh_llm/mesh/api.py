@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from mesh_llm.api.app import bearer_matches
+from mesh_llm.api.app import key_matches
 from mesh_llm.api.errors import APIError, error_response
 from mesh_llm.mesh.identity import BadSignature, opened
 from mesh_llm.mesh.records import Heartbeat, NodeRecord, Signed
@@ -52,7 +52,7 @@ def control_app(node, api_key: str | None) -> FastAPI:
         return body, nonce
 
     async def reader(request: Request) -> None:
-        if api_key is not None and bearer_matches(request.headers.get("authorization"), api_key):
+        if api_key is not None and key_matches(request.headers, api_key):
             return
         if signed(request, await _body(request)) is None:
             raise APIError(401, f"send a request signed with the mesh token in '{AUTH_HEADER}' (mesh-llm mesh "

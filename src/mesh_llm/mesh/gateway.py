@@ -18,7 +18,7 @@ import logging
 import httpx
 from starlette.datastructures import Headers
 
-from mesh_llm.api.app import PEER_SCOPE_KEY, bearer_matches, key_refused
+from mesh_llm.api.app import PEER_SCOPE_KEY, key_matches, key_refused
 from mesh_llm.api.errors import error_response
 from mesh_llm.mesh.api import control_app, elsewhere, is_control
 from mesh_llm.mesh.node import MeshNode
@@ -71,7 +71,7 @@ class Gateway:
             return await self._counted(serve_relayed(self._local, scope, _replayed(body, receive), send))
         if not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
-        if self.api_key is not None and not bearer_matches(headers.get("authorization"), self.api_key):
+        if self.api_key is not None and not key_matches(headers, self.api_key):
             return await key_refused()(scope, receive, send)
         if scope["method"] == "GET" and path == "/v1/models":
             body = {"object": "list", "data": self.node.model_list()}

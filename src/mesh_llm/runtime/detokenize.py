@@ -28,7 +28,11 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # ids before this are already turned into text
         self._stop = [s for s in stop if s]
         self._held = ""  # decoded text not yet released: it may be the start of a stop string
-        self.stopped = False  # a stop string was found; nothing more will be released
+        self.matched: str | None = None  # the stop string found; nothing more will be released
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def add(self, token: int) -> str:
         """The text that ``token`` makes safe to release (often "", never part of a stop string)."""
@@ -59,9 +63,9 @@ class IncrementalDetokenizer:
         if not self._stop:
             self._held = ""
             return text
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
+        found = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: (f[0], -len(f[1])))
             self._held = ""
             return text[:cut]
         keep = _longest_stop_prefix_suffix(text, self._stop)

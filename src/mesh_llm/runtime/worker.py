@@ -124,6 +124,7 @@ class Chunk:
     rejected: bool = False  # the engine refused the request itself (a client error, not a failure)
     shutdown: bool = False  # ended because the server is shutting down (a 503, not a failure)
     timed_out: bool = False  # ended at the server's --request-timeout (a 504)
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended it, if one did
 
 
 class Incoming:
@@ -522,7 +523,8 @@ class ModelWorker:
         if finish == "error":  # the request's own fault (its grammar): a 400 where nothing was sent yet
             self._send(s.job, Chunk(finish_reason=finish, error=s.error, rejected=True, usage=usage))
         elif finish not in ("cancelled", "timeout"):  # sent first: the answer waits for no cleanup
-            self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage), hand_over=True)
+            self._send(s.job, Chunk(text=s.detok.flush(), finish_reason=finish, usage=usage,
+                                    stop_sequence=s.detok.matched), hand_over=True)
         try:
             self._engine.remove(seq)
         except Exception:  # the sequence is over either way
