@@ -333,5 +333,8 @@ def test_the_agent_round_trip_through_anthropics_messages_api(engine_server):
         tool_choice={"type": "none"})
     assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
     assert answer.content[0].text.strip()
+    cut = client.messages.create(model=MODEL, max_tokens=4, messages=asked, tools=tools,  # a call cut short
+                                 tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert cut.stop_reason == "max_tokens" and all(b.input == {} for b in cut.content if b.type == "tool_use")
     counted = client.messages.count_tokens(model=MODEL, messages=asked, tools=tools)
     assert counted.input_tokens > client.messages.count_tokens(model=MODEL, messages=asked).input_tokens

@@ -28,6 +28,7 @@ from mesh_llm.api.messages_schemas import (
 )
 from mesh_llm.api.responses import generation_error
 from mesh_llm.engines.base import SamplingParams
+from mesh_llm.runtime.tool_formats import Event
 from mesh_llm.runtime.worker import Chunk
 
 _FIELDS = {"messages": "messages", "tools": "tools", "tool_choice": "tool_choice"}
@@ -66,9 +67,7 @@ def install_messages(app: FastAPI, lookup: Callable) -> None:
 class _Content:
     """The parser for a reply without tools: all of it is text."""
 
-    def feed(self, text: str):
-        from mesh_llm.runtime.tool_formats import Event
-
+    def feed(self, text: str) -> list[Event]:
         return [Event("content", text)] if text else []
 
     def finish(self):
@@ -143,18 +142,18 @@ class MessageBuilder:
         index, self._open = self._open, None
         if index is None:
             return []
-        if index in self._arguments:  # the grammar kept the arguments an object
-            self.content[index]["input"] = json.loads(self._arguments[index] or "{}")
+        if index in self._arguments:
+            self.content[index]["input"] = _object(self._arguments[index])
         return [("content_block_stop", {"index": index})]
 
     def _message(self, last: Chunk | None) -> dict:
         usage = last.usage if last is not None else None
         stop_reason = stop_sequence = None
         if last is not None:
-            if any(b["type"] == "tool_use" for b in self.content):
-                stop_reason = "tool_use"
-            elif last.finish_reason == "length":
+            if last.finish_reason == "length":  # a call cut short too: its input is what could be read
                 stop_reason = "max_tokens"
+            elif any(b["type"] == "tool_use" for b in self.content):
+                stop_reason = "tool_use"
             elif last.stop_sequence is not None:
                 stop_reason, stop_sequence = "stop_sequence", last.stop_sequence
             else:
@@ -166,6 +165,16 @@ class MessageBuilder:
                           "output_tokens": usage.completion_tokens if usage else 0,
                           "cache_read_input_tokens": usage.cached_tokens if usage else 0,
                           "cache_creation_input_tokens": 0}}
+
+
+def _object(arguments: str) -> dict:
+    """A call's arguments as its ``input``: an object, or {} where they are not one (cut by the token
+    limit, or written freely by a model under ``auto``)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _sse(kind: str, **payload) -> bytes:
