@@ -28,6 +28,7 @@ from mesh_llm.api.errors import (
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.responses import ResponseBuilder
 from mesh_llm.api.messages_api import AnthropicErrors, install_messages
+from mesh_llm.api.messages_schemas import CreateMessage, MessagesRequest
 from mesh_llm.api.responses_api import install_responses
 from mesh_llm.api.responses_schemas import ResponsesRequest
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -129,7 +130,8 @@ def create_app(models: list[ServedModel], api_key: str | None = None,
     install_messages(app, lookup)
     schema = app.openapi
     app.openapi = lambda: with_body_schemas(without_validation_errors(schema()),
-                                            [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
+                                            [ChatCompletionRequest, CompletionRequest, ResponsesRequest,
+                                             CreateMessage, MessagesRequest])
     return app
 
 

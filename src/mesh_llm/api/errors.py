@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -75,12 +77,25 @@ _MEANINGS = {
 }
 
 
-def documented(*statuses: int) -> dict:
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """The errors of Anthropic's Messages routes, in its shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+def documented(*statuses: int, body: type[BaseModel] = ErrorBody) -> dict:
     """``responses=`` for a route: each error status it may answer, with the error body."""
-    return {status: {"model": ErrorBody, "description": _MEANINGS[status]} for status in statuses}
+    return {status: {"model": body, "description": _MEANINGS[status]} for status in statuses}
 
 
 GENERATION_ERRORS = documented(400, 401, 404, 413, 429, 500, 503, 504)
+MESSAGES_ERRORS = documented(400, 401, 404, 413, 429, 500, 503, 504, body=AnthropicErrorBody)
 
 
 def without_validation_errors(schema: dict) -> dict:

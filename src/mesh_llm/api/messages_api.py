@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 
 from mesh_llm.api.body import body_schema, json_body
 from mesh_llm.api.chat_tools import make_plan
-from mesh_llm.api.errors import GENERATION_ERRORS, APIError
+from mesh_llm.api.errors import MESSAGES_ERRORS, AnthropicErrorBody, APIError, documented
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.messages_schemas import (
     CreateMessage,
@@ -36,7 +36,7 @@ PATH = "/v1/messages"
 
 
 def install_messages(app: FastAPI, lookup: Callable) -> None:
-    @app.post(PATH, responses=GENERATION_ERRORS, openapi_extra=body_schema(CreateMessage))
+    @app.post(PATH, responses=MESSAGES_ERRORS, openapi_extra=body_schema(CreateMessage))
     async def create_message(body: json_body(CreateMessage), request: Request):
         served = lookup(body.model)
         body.check_served()
@@ -54,7 +54,8 @@ def install_messages(app: FastAPI, lookup: Callable) -> None:
             return stream_response(builder.stream(aiter(generation)), generation)
         return await collect_unless_left(builder.collect(aiter(generation)), request, generation)
 
-    @app.post(PATH + "/count_tokens", openapi_extra=body_schema(MessagesRequest))
+    @app.post(PATH + "/count_tokens", openapi_extra=body_schema(MessagesRequest),
+              responses=documented(400, 401, 404, 413, 503, body=AnthropicErrorBody))
     async def count_tokens(body: json_body(MessagesRequest)) -> dict:
         served = lookup(body.model)
         check_tools(body)
