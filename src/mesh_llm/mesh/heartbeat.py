@@ -106,8 +106,9 @@ class Heartbeater:
         except PlainRefused as exc:
             self._warn_once(url, str(exc))
             return
-        except httpx.HTTPError as exc:
-            log.debug("heartbeat to %s failed: %s", url, exc)
+        except Exception as exc:  # noqa: BLE001 - any failure is a missed heartbeat (anyio has raised
+            # AttributeError for a connection its peer closed as it opened), never a dead task
+            log.debug("heartbeat to %s failed: %r", url, exc)
             if member_id is None:
                 await self.node.peers.forget(url)  # a seed that comes back may show another key
             return
