@@ -91,23 +91,22 @@ def mesh_view(server: Server, token: str = TOKEN) -> dict[str, str]:
     return {m["id"]: m["state"] for m in reply.json()["members"]}
 
 
-class SilentPeer:
-    """A TCP port that accepts connections, reads what comes and never answers: a hung node.
-    ``held`` lists, per connection, the request line and how long the caller waited before it
-    closed the connection."""
+class Listener:
+    """A TCP port on loopback that takes each connection in a thread of its own (``_take``)."""
+
+    scheme = "http"
 
     def __init__(self):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.held: list[tuple[str, float]] = []
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def _accept(self) -> None:
         while True:
@@ -116,9 +115,26 @@ class SilentPeer:
             except OSError:
                 return
             self._conns.append(conn)
-            threading.Thread(target=self._hold, args=(conn, time.monotonic()), daemon=True).start()
+            threading.Thread(target=self._take, args=(conn, time.monotonic()), daemon=True).start()
 
-    def _hold(self, conn: socket.socket, accepted: float) -> None:
+    def _take(self, conn: socket.socket, accepted: float) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self._conns:
+            conn.close()
+
+
+class SilentPeer(Listener):
+    """Accepts connections, reads what comes and never answers: a hung node. ``held`` lists, per
+    connection, the request line and how long the caller waited before it closed the connection."""
+
+    def __init__(self):
+        self.held: list[tuple[str, float]] = []
+        super().__init__()
+
+    def _take(self, conn: socket.socket, accepted: float) -> None:
         data = b""
         try:
             while chunk := conn.recv(65536):
@@ -126,11 +142,6 @@ class SilentPeer:
         except OSError:
             return
         self.held.append((data.split(b"\r\n", 1)[0].decode(errors="replace"), time.monotonic() - accepted))
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self._conns:
-            conn.close()
 
 
 class FakeMember:
@@ -234,36 +245,21 @@ def start_tls_server(args: list[str], log: Path, ca_file: str, timeout: float = 
     pytest.fail(f"server not healthy after {timeout}s:\n{server.output()}")
 
 
-class Pipe:
-    """A TCP port that passes each connection on to ``target_port`` (set later if need be) and keeps
-    every byte it carries in ``seen``: a listener on the path between two nodes. With ``tls`` (a
-    server context) it is a man in the middle instead: it ends the TLS itself with that context,
-    opens its own (unverified) TLS to the target, and keeps the plaintext."""
+class Pipe(Listener):
+    """Passes each connection on to ``target_port`` (set later if need be) and keeps every byte it
+    carries in ``seen``: a listener on the path between two nodes. With ``tls`` (a server context)
+    it is a man in the middle instead: it ends the TLS itself with that context, opens its own
+    (unverified) TLS to the target, and keeps the plaintext."""
+
+    scheme = "https"
 
     def __init__(self, target_port: int | None = None, tls: ssl.SSLContext | None = None):
         self.target_port, self.tls = target_port, tls
         self.seen = bytearray()
         self._lock = threading.Lock()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._carry, args=(conn,), daemon=True).start()
-
-    def _carry(self, conn: socket.socket) -> None:
+    def _take(self, conn: socket.socket, accepted: float) -> None:
         try:
             upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
             upstream.settimeout(None)
@@ -292,8 +288,3 @@ class Pipe:
                 end.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self._conns:
-            conn.close()

@@ -26,9 +26,9 @@ from mesh_llm.api.errors import (
     without_validation_errors,
 )
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
-from mesh_llm.api.responses import ResponseBuilder
 from mesh_llm.api.messages_api import AnthropicErrors, install_messages
 from mesh_llm.api.messages_schemas import CreateMessage, MessagesRequest
+from mesh_llm.api.responses import ResponseBuilder
 from mesh_llm.api.responses_api import install_responses
 from mesh_llm.api.responses_schemas import ResponsesRequest
 from mesh_llm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 
 from mesh_llm.api.body import body_schema, json_body
 from mesh_llm.api.chat_tools import make_plan
-from mesh_llm.api.errors import MESSAGES_ERRORS, AnthropicErrorBody, APIError, documented
+from mesh_llm.api.errors import MESSAGES_ERRORS, AnthropicErrorBody, documented
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
 from mesh_llm.api.messages_schemas import (
     CreateMessage,
@@ -26,9 +26,9 @@ from mesh_llm.api.messages_schemas import (
     functions,
     tool_choice,
 )
-from mesh_llm.api.responses import generation_error
+from mesh_llm.api.responses import generation_error, last_chunk, parsed
 from mesh_llm.engines.base import SamplingParams
-from mesh_llm.runtime.tool_formats import Event
+from mesh_llm.runtime.tool_formats import PlainText
 from mesh_llm.runtime.worker import Chunk
 
 _FIELDS = {"messages": "messages", "tools": "tools", "tool_choice": "tool_choice"}
@@ -65,34 +65,18 @@ def install_messages(app: FastAPI, lookup: Callable) -> None:
         return {"input_tokens": len(plan.prompt)}
 
 
-class _Content:
-    """The parser for a reply without tools: all of it is text."""
-
-    def feed(self, text: str) -> list[Event]:
-        return [Event("content", text)] if text else []
-
-    def finish(self):
-        return []
-
-
 class MessageBuilder:
     """Content blocks built from parser events; every change is also a stream event."""
 
     def __init__(self, model: str, parser):
         self.id = "msg_" + uuid.uuid4().hex
-        self.model, self.parser = model, parser or _Content()
+        self.model, self.parser = model, parser or PlainText()
         self.content: list[dict[str, Any]] = []
         self._arguments: dict[int, str] = {}  # block index -> a tool_use's JSON arguments so far
         self._open: int | None = None  # the block being written
 
     async def collect(self, chunks: AsyncIterator[Chunk]) -> dict:
-        async for chunk in chunks:
-            if chunk.error:
-                raise generation_error(chunk)
-            self._events(chunk)
-            if chunk.finish_reason is not None:
-                return self._message(chunk)
-        raise APIError(500, "the generation ended without a result", code="generation_failed")
+        return self._message(await last_chunk(chunks, self._events))
 
     async def stream(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         yield _sse("message_start", message=self._message(None))
@@ -112,11 +96,8 @@ class MessageBuilder:
                 return
 
     def _events(self, chunk: Chunk) -> list[tuple[str, dict]]:
-        events = self.parser.feed(chunk.text) if chunk.text else []
-        if chunk.finish_reason is not None:
-            events += self.parser.finish()
         out: list[tuple[str, dict]] = []
-        for e in events:
+        for e in parsed(self.parser, chunk):
             if e.kind == "content":
                 if self._open is None or self.content[self._open]["type"] != "text":
                     out += self._close() + self._start({"type": "text", "text": ""})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from mesh_llm.api.errors import APIError
@@ -30,6 +30,24 @@ def generation_error(chunk: Chunk) -> APIError:
     """The error a non-streamed request answers for a generation's error chunk."""
     status, _, code = error_kind(chunk)
     return APIError(status, chunk.error, code=code)
+
+
+async def last_chunk(chunks: AsyncIterator[Chunk], take: Callable[[Chunk], object]) -> Chunk:
+    """Hands each chunk of a generation to ``take`` and returns the last; an error chunk raises
+    the error a non-streamed request answers."""
+    async for chunk in chunks:
+        if chunk.error:
+            raise generation_error(chunk)
+        take(chunk)
+        if chunk.finish_reason is not None:
+            return chunk
+    raise APIError(500, "the generation ended without a result", code="generation_failed")
+
+
+def parsed(parser: Parser, chunk: Chunk) -> list[Event]:
+    """The parser's events for a chunk; at the last, with whatever it held back."""
+    events = parser.feed(chunk.text) if chunk.text else []
+    return events + parser.finish() if chunk.finish_reason is not None else events
 
 
 def sse(payload: dict | str) -> bytes:

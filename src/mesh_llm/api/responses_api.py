@@ -17,12 +17,12 @@ from fastapi import FastAPI, Request
 
 from mesh_llm.api.body import body_schema, json_body
 from mesh_llm.api.chat_tools import make_plan
-from mesh_llm.api.errors import GENERATION_ERRORS, APIError
+from mesh_llm.api.errors import GENERATION_ERRORS
 from mesh_llm.api.generation import PromptRoom, collect_unless_left, open_generation, stream_response
-from mesh_llm.api.responses import error_kind, generation_error
+from mesh_llm.api.responses import error_kind, last_chunk, parsed
 from mesh_llm.api.responses_schemas import NamedFunctionChoice, ResponsesRequest
 from mesh_llm.engines.base import SamplingParams
-from mesh_llm.runtime.tool_formats import Event, Function
+from mesh_llm.runtime.tool_formats import Function, PlainText
 from mesh_llm.runtime.tools import ToolChoice
 from mesh_llm.runtime.worker import Chunk, Usage
 
@@ -52,35 +52,19 @@ def install_responses(app: FastAPI, lookup: Callable) -> None:
         return await collect_unless_left(builder.collect(aiter(generation)), request, generation)
 
 
-class _Content:
-    """The parser for a reply without tools: all of it is content."""
-
-    def feed(self, text: str) -> list[Event]:
-        return [Event("content", text)] if text else []
-
-    def finish(self) -> list[Event]:
-        return []
-
-
 class ResponsesBuilder:
     """Output items built from parser events; every change is also a stream event."""
 
     def __init__(self, model: str, body: ResponsesRequest, parser):
         self.id = "resp_" + uuid.uuid4().hex
-        self.model, self.body, self.parser = model, body, parser or _Content()
+        self.model, self.body, self.parser = model, body, parser or PlainText()
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written
         self._sequence = 0
 
     async def collect(self, chunks: AsyncIterator[Chunk]) -> dict:
-        async for chunk in chunks:
-            if chunk.error:
-                raise generation_error(chunk)
-            self._events(chunk)
-            if chunk.finish_reason is not None:
-                return self._response(chunk)
-        raise APIError(500, "the generation ended without a result", code="generation_failed")
+        return self._response(await last_chunk(chunks, self._events))
 
     async def stream(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         yield self._sse("response.created", response=self._response(None))
@@ -98,11 +82,8 @@ class ResponsesBuilder:
                 return
 
     def _events(self, chunk: Chunk) -> list[tuple[str, dict]]:
-        events = self.parser.feed(chunk.text) if chunk.text else []
-        if chunk.finish_reason is not None:
-            events += self.parser.finish()
         out: list[tuple[str, dict]] = []
-        for e in events:
+        for e in parsed(self.parser, chunk):
             if e.kind == "content":
                 if self._open is None or self._open["type"] != "message":
                     out += self._close() + self._open_message()

@@ -7,7 +7,7 @@ reply that must be a call (or JSON). Templates with no known format get the gene
 
 from __future__ import annotations
 
-from mesh_llm.runtime.tool_formats.base import Event, Function, Parser
+from mesh_llm.runtime.tool_formats.base import Event, Function, Parser, PlainText
 from mesh_llm.runtime.tool_formats.generic import GenericFormat
 from mesh_llm.runtime.tool_formats.hermes import HermesFormat
 from mesh_llm.runtime.tool_formats.llama3 import Llama3Format
@@ -15,7 +15,7 @@ from mesh_llm.runtime.tool_formats.mistral import MistralFormat
 
 ToolFormat = GenericFormat | HermesFormat | Llama3Format | MistralFormat
 
-__all__ = ["Event", "Function", "Parser", "ToolFormat", "format_for"]
+__all__ = ["Event", "Function", "Parser", "PlainText", "ToolFormat", "format_for"]
 
 
 def format_for(template: str | None) -> ToolFormat:

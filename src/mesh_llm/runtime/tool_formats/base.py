@@ -34,6 +34,16 @@ class Parser(Protocol):
         ...
 
 
+class PlainText:
+    """The parser for a reply without tools: all of it is content."""
+
+    def feed(self, text: str) -> list[Event]:
+        return [Event("content", text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return []
+
+
 @dataclass(frozen=True)
 class Function:
     """One function tool, as the request gave it."""
