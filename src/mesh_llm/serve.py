@@ -215,7 +215,7 @@ LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 def with_cors(app, origins: list[str] | None):
     """Browsers' cross-origin calls (a web app on another port): allowed from this machine's own
-    pages by default, as llama-server does, or from ``origins`` ('*': any). The preflight is answered
+    pages by default, or from ``origins`` ('*': any). The preflight is answered
     here, before the API key is asked for; credentials (cookies) are never allowed, and the API key
     goes in a header the preflight allows."""
     if origins == []:
