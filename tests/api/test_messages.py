@@ -36,7 +36,7 @@ def test_a_message_whole_and_streamed_says_the_same(client):
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.content[0].text == block.text and final.stop_reason == "max_tokens"
-    assert final.usage.output_tokens == 12
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, 12)
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert kinds[1] == "content_block_start" and "content_block_stop" in kinds and "message_delta" in kinds
 

@@ -49,7 +49,7 @@ def install_messages(app: FastAPI, lookup: Callable) -> None:
             generation = open_generation(served.worker, plan.prompt, params, body.max_tokens,
                                          tuple(body.stop_sequences or ()), prompt_param="messages",
                                          arrival=arrival)
-        builder = MessageBuilder(served.id, plan.parser)
+        builder = MessageBuilder(served.id, plan.parser, len(plan.prompt))
         if body.stream:
             return stream_response(builder.stream(aiter(generation)), generation)
         return await collect_unless_left(builder.collect(aiter(generation)), request, generation)
@@ -68,9 +68,9 @@ def install_messages(app: FastAPI, lookup: Callable) -> None:
 class MessageBuilder:
     """Content blocks built from parser events; every change is also a stream event."""
 
-    def __init__(self, model: str, parser):
+    def __init__(self, model: str, parser, prompt_tokens: int):
         self.id = "msg_" + uuid.uuid4().hex
-        self.model, self.parser = model, parser or PlainText()
+        self.model, self.parser, self.prompt_tokens = model, parser or PlainText(), prompt_tokens
         self.content: list[dict[str, Any]] = []
         self._arguments: dict[int, str] = {}  # block index -> a tool_use's JSON arguments so far
         self._open: int | None = None  # the block being written
@@ -90,8 +90,7 @@ class MessageBuilder:
             if chunk.finish_reason is not None:
                 final = self._message(chunk)
                 yield _sse("message_delta", delta={"stop_reason": final["stop_reason"],
-                                                   "stop_sequence": final["stop_sequence"]},
-                           usage={"output_tokens": final["usage"]["output_tokens"]})
+                                                   "stop_sequence": final["stop_sequence"]}, usage=final["usage"])
                 yield _sse("message_stop")
                 return
 
@@ -143,7 +142,7 @@ class MessageBuilder:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": json.loads(json.dumps(self.content)) if last is not None else [],
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": usage.prompt_tokens if usage else 0,
+                "usage": {"input_tokens": usage.prompt_tokens if usage else self.prompt_tokens,
                           "output_tokens": usage.completion_tokens if usage else 0,
                           "cache_read_input_tokens": usage.cached_tokens if usage else 0,
                           "cache_creation_input_tokens": 0}}
