@@ -31,3 +31,21 @@ def test_the_first_node_killed_and_back_after_it_was_dropped_rejoins(nodes):
              "the member routes to the seed's model again")
     reply = chat(member, "first", max_tokens=2)
     assert reply.status_code == 200 and reply.headers["x-mesh-served-by"] == "seed", (reply.text, dict(reply.headers))
+
+
+def test_a_named_node_started_again_without_join_finds_the_members_it_knew(nodes, mesh_home):
+    """Its seed is gone for good and it comes back at another address (which no member knocks at),
+    yet the member it met through the seed is still there: the node's memory of members' addresses
+    (kept per name and mesh in its home) takes it back in."""
+    gone = nodes.start("gone-seed", "--alias", "g")
+    kept = nodes.start("kept", "--alias", "k", "--join", gone.url)
+    wanderer = nodes.start("wanderer", "--alias", "w", "--join", gone.url)
+    wait_for(lambda: served_models(wanderer) == {"g": ["gone-seed"], "k": ["kept"], "w": ["wanderer"]}, 15,
+             "the mesh formed")
+    wait_for(lambda: any(kept.url in p.read_text() for p in (mesh_home / "mesh" / "members").glob("wanderer-*")),
+             10, "the wanderer keeps the members' addresses")
+    for node in (gone, wanderer):
+        node.stop()
+    back = nodes.start("wanderer", "--alias", "w")  # no --join, its seed is gone, another port
+    wait_for(lambda: served_models(back) == {"k": ["kept"], "w": ["wanderer"]}, 10, "it is back in the mesh")
+    assert chat(back, "k", max_tokens=2).headers["x-mesh-served-by"] == "kept"

@@ -7,6 +7,7 @@ It sees the local server only from outside: each model's id, format, ``worker.in
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -25,7 +26,7 @@ from mesh_llm.mesh.membership import Change, Membership
 from mesh_llm.mesh.peers import Peers
 from mesh_llm.mesh.records import Capacity, Heartbeat, Leave, Load, ModelEntry, NodeRecord, Signed
 from mesh_llm.mesh.routing import Affinity, Candidate, estimate_tokens, order, prefix_key
-from mesh_llm.mesh.security import MeshAuth
+from mesh_llm.mesh.security import MeshAuth, mesh_id
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -50,6 +51,10 @@ class MeshNode:
         self.affinity = Affinity()
         self.join_urls = [u.rstrip("/") for u in config.join]
         self.seeds: set[str] = set(self.join_urls)
+        # a named node remembers where the members it saw were, and knocks there when started again
+        self._memory = memory_path(config.node_name, config.token) if config.node_name else None
+        self._remembered = _recalled(self._memory) if self._memory else []
+        self.seeds.update(u for u in self._remembered if u != self.url)
         self.streams = 0  # requests in progress through this node (served or relayed)
         self.mesh_port = mesh_port
         self.peers = Peers(config.tls_ca, encrypted=mesh_port is not None, connect_timeout=config.connect_timeout,
@@ -141,6 +146,8 @@ class MeshNode:
         self._report(self.membership.sweep())
 
     def _report(self, changes: list[Change | None]) -> None:
+        if any(c is not None and c.kind in ("joined", "left", "dropped") for c in changes):
+            self._remember()
         for change in filter(None, changes):
             detail = f" ({change.detail})" if change.detail else ""
             log.log(logging.WARNING if change.kind == "refused" else logging.INFO, "mesh: %s %s%s",
@@ -152,6 +159,22 @@ class MeshNode:
                 # heartbeats keep knocking at its address: a restarted node that joins nobody (the
                 # mesh's first) is found again within a heartbeat, and the mesh never splits for good
                 self.seeds.add(change.url)
+
+    def _remember(self) -> None:
+        """Keep the addresses of the members in the table and those still knocked at (at most 64)."""
+        if self._memory is None:
+            return
+        urls = sorted(({m.record.url for m in self.membership.members()} | self.seeds) - {self.url})[:64]
+        if urls == self._remembered:
+            return
+        self._remembered = urls
+        try:
+            self._memory.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self._memory.with_suffix(".tmp")
+            scratch.write_text(json.dumps(urls))
+            os.replace(scratch, self._memory)
+        except OSError as exc:
+            log.warning("mesh: cannot keep the members' addresses in %s: %s", self._memory, exc)
 
     @contextmanager
     def watch(self, member_id: str, model: str):
@@ -277,6 +300,23 @@ def key_path(node_name: str):
     from mesh_llm.models.spec import home_dir
 
     return home_dir() / "mesh" / "keys" / f"{node_name}.key"
+
+
+def memory_path(node_name: str, token: str):
+    """Where a named node keeps its members' addresses: one file per name and mesh."""
+    from mesh_llm.models.spec import home_dir
+
+    return home_dir() / "mesh" / "members" / f"{node_name}-{mesh_id(token)[:12]}.json"
+
+
+def _recalled(path) -> list[str]:
+    try:
+        urls = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(urls, list):
+        return []
+    return [u for u in urls if isinstance(u, str) and u.startswith(("http://", "https://"))][:64]
 
 
 def _all_opened(items: list[Signed], shape):
