@@ -146,8 +146,6 @@ class MeshNode:
         self._report(self.membership.sweep())
 
     def _report(self, changes: list[Change | None]) -> None:
-        if any(c is not None and c.kind in ("joined", "left", "dropped") for c in changes):
-            self._remember()
         for change in filter(None, changes):
             detail = f" ({change.detail})" if change.detail else ""
             log.log(logging.WARNING if change.kind == "refused" else logging.INFO, "mesh: %s %s%s",
@@ -159,6 +157,8 @@ class MeshNode:
                 # heartbeats keep knocking at its address: a restarted node that joins nobody (the
                 # mesh's first) is found again within a heartbeat, and the mesh never splits for good
                 self.seeds.add(change.url)
+        if any(c is not None and c.kind in ("joined", "left", "dropped") for c in changes):
+            self._remember()  # after the seeds took a departed member's address
 
     def _remember(self) -> None:
         """Keep the addresses of the members in the table and those still knocked at (at most 64)."""
