@@ -1,6 +1,6 @@
 """The mesh's own routes: node-to-node (``POST /mesh/heartbeat``, ``POST /mesh/leave``), which need
 a request signed with the mesh token (``mesh/security.py``) and, on a node with a mesh port, come
-there (on the API port they get a 421 naming it), and the management API (``GET
+there (the gateway answers them a 421 on the API port), and the management API (``GET
 /api/status``, ``GET /api/mesh``), which needs such a signature or the API key. Peers' bodies are
 bounded and validated; bad ones get a 4xx in OpenAI's error format and change nothing. A heartbeat's
 reply is signed back, bound to the request."""
@@ -20,7 +20,7 @@ from mesh_llm.api.app import key_matches
 from mesh_llm.api.errors import APIError, error_response
 from mesh_llm.mesh.identity import BadSignature, opened
 from mesh_llm.mesh.records import Heartbeat, NodeRecord, Signed
-from mesh_llm.mesh.security import ADDRESS_HEADER, AUTH_HEADER
+from mesh_llm.mesh.security import AUTH_HEADER
 
 MAX_PEER_BODY = 1024 * 1024
 log = logging.getLogger("mesh_llm.mesh")
@@ -34,7 +34,7 @@ def is_control(path: str) -> bool:
 
 def control_app(node, api_key: str | None) -> FastAPI:
     app = FastAPI(title="mesh-llm mesh", docs_url=None, redoc_url=None, openapi_url=None)
-    _errors(app, node)
+    _errors(app)
 
     def signed(request: Request, body: bytes) -> str | None:
         return node.auth.check(request.headers.get(AUTH_HEADER), request.method, request.url.path, body,
@@ -42,8 +42,6 @@ def control_app(node, api_key: str | None) -> FastAPI:
 
     async def peer(request: Request) -> tuple[bytes, str]:
         """The request's body and nonce, once its signature holds."""
-        if node.off_channel(request.scope):
-            raise Elsewhere()
         body = await _body(request)
         nonce = signed(request, body)
         if nonce is None:
@@ -134,21 +132,7 @@ def _parse(body: bytes, shape: type[BaseModel]):
                        code="invalid_value") from None
 
 
-class Elsewhere(Exception):
-    """Node-to-node traffic at the API port of a node that has a mesh port."""
-
-
-def elsewhere(node) -> JSONResponse:
-    """421 naming this node's mesh address (``x-mesh-address``), which joiners follow."""
-    return error_response(421, f"node-to-node traffic to this node goes to its mesh port, {node.url}, "
-                          "encrypted", code="mesh_address", headers={ADDRESS_HEADER: node.url})
-
-
-def _errors(app: FastAPI, node) -> None:
-    @app.exception_handler(Elsewhere)
-    async def _elsewhere(_: Request, exc: Elsewhere) -> JSONResponse:
-        return elsewhere(node)
-
+def _errors(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnect)
     async def _left(request: Request, exc: ClientDisconnect) -> JSONResponse:
         log.info("a peer left before its request's body arrived (%s)", request.url.path)

@@ -20,11 +20,11 @@ from starlette.datastructures import Headers
 
 from mesh_llm.api.app import PEER_SCOPE_KEY, key_matches, key_refused
 from mesh_llm.api.errors import error_response
-from mesh_llm.mesh.api import control_app, elsewhere, is_control
+from mesh_llm.mesh.api import control_app, is_control
 from mesh_llm.mesh.node import MeshNode
 from mesh_llm.mesh.proxy import Answer, ClientGone, Failure, attempt, forward_headers, verdict
 from mesh_llm.mesh.relay import serve_relayed
-from mesh_llm.mesh.security import AUTH_HEADER
+from mesh_llm.mesh.security import ADDRESS_HEADER, AUTH_HEADER
 
 log = logging.getLogger("mesh_llm.mesh")
 
@@ -57,11 +57,14 @@ class Gateway:
 
     async def _http(self, scope, receive, send) -> None:
         path, headers = scope["path"], Headers(scope=scope)
+        node_to_node = path.startswith("/mesh/") or "x-mesh-forwarded" in headers
+        if node_to_node and self.node.off_channel(scope):  # a node with a mesh port takes it there
+            return await error_response(421, f"node-to-node traffic to this node goes to its mesh port, "
+                                        f"{self.node.url}, encrypted", code="mesh_address",
+                                        headers={ADDRESS_HEADER: self.node.url})(scope, receive, send)
         if is_control(path):
             return await self.control(scope, receive, send)
         if "x-mesh-forwarded" in headers:
-            if self.node.off_channel(scope):
-                return await elsewhere(self.node)(scope, receive, send)
             body = await _read_body(receive, self.max_body_bytes)
             if body is None or self.node.auth.check(headers.get(AUTH_HEADER), scope["method"], path, body,
                                                     self.node.channel_key(scope)) is None:
