@@ -7,6 +7,7 @@ these routes come in Anthropic's shape (:class:`AnthropicErrors`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -117,7 +118,7 @@ class MessageBuilder:
     def _start(self, block: dict[str, Any]) -> list[tuple[str, dict]]:
         self.content.append(block)
         self._open = len(self.content) - 1
-        return [("content_block_start", {"index": self._open, "content_block": json.loads(json.dumps(block))})]
+        return [("content_block_start", {"index": self._open, "content_block": copy.deepcopy(block)})]
 
     def _close(self) -> list[tuple[str, dict]]:
         index, self._open = self._open, None
@@ -140,7 +141,7 @@ class MessageBuilder:
             else:
                 stop_reason = "end_turn"
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": json.loads(json.dumps(self.content)) if last is not None else [],
+                "content": copy.deepcopy(self.content) if last is not None else [],
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": usage.prompt_tokens if usage else self.prompt_tokens,
                           "output_tokens": usage.completion_tokens if usage else 0,

@@ -106,7 +106,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     (before its text), an assistant turn's tool_use blocks its ``tool_calls``."""
     messages: list[dict[str, Any]] = []
     if body.system:
-        text = body.system if isinstance(body.system, str) else _texts(body.system, "system")
+        text = body.system if isinstance(body.system, str) else _texts(body.system, "system", "\n\n")
         messages.append({"role": "system", "content": text})
     for i, message in enumerate(body.messages):
         where = f"messages.{i}.content"
@@ -141,7 +141,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _texts(blocks: list[dict[str, Any]], param: str) -> str:
+def _texts(blocks: list[dict[str, Any]], param: str, separator: str = "") -> str:
     out = []
     for j, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -149,7 +149,7 @@ def _texts(blocks: list[dict[str, Any]], param: str) -> str:
             raise APIError(400, f"content blocks of type '{kind}' are not supported here; only text",
                            param=f"{param}.{j}")
         out.append(block["text"])
-    return "\n\n".join(out) if param == "system" else "".join(out)
+    return separator.join(out)
 
 
 def _field(block: dict[str, Any], key: str, param: str) -> str:
